@@ -1,0 +1,122 @@
+"""Mixture of experts (DeepSeek-V3 routing) and the dense SwiGLU MLP.
+
+Routing, per token (aux-loss-free load balancing, arXiv 2408.15664):
+  1. s = sigmoid(x @ W_gate) in fp32: the unbiased affinities              [N, E]
+  2. b = s + e_score_correction_bias: used only to choose, never to weigh
+  3. n_group > 1: rank groups by the sum of their two best b, keep topk_group groups
+  4. top-X experts by b among the kept groups; weights are their s, normalised to sum
+     1 (norm_topk_prob), times routed_scaling_factor
+  5. y = sum_x weight_x * SwiGLU_{e_x}(x) + SharedExpert(x)   (the shared expert has no gate)
+
+The experts run as one grouped matmul (`jax.lax.ragged_dot`) over the token copies sorted
+by expert: no capacity, no dropped tokens, and no [N, E] dense compute.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from glmjax.config import ModelConfig
+
+
+class RouterBias(nnx.Variable):
+    """The correction bias: updated by the load-balancing rule, never by gradients."""
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(x @ gate) * (x @ up))."""
+
+    def __init__(self, hidden: int, inner: int, *, init_std: float, param_dtype, rngs: nnx.Rngs):
+        init = nnx.initializers.normal(init_std)
+        keys = iter(jax.random.split(rngs.params(), 3))  # one draw from rngs per module
+        self.gate = nnx.Param(init(next(keys), (hidden, inner), param_dtype))  # [D, F]
+        self.up = nnx.Param(init(next(keys), (hidden, inner), param_dtype))  # [D, F]
+        self.down = nnx.Param(init(next(keys), (inner, hidden), param_dtype))  # [F, D]
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = lambda p: p[...].astype(x.dtype)  # noqa: E731
+        h = jax.nn.silu(x @ w(self.gate)) * (x @ w(self.up))
+        return h @ w(self.down)
+
+
+class Routing(NamedTuple):
+    weights: jax.Array  # [N, X] fp32
+    experts: jax.Array  # [N, X] int32
+    load: jax.Array  # [E] token copies routed to each expert
+
+
+class Router(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        self.weight = nnx.Param(nnx.initializers.normal(c.initializer_range)(
+            rngs.params(), (c.hidden_size, c.n_routed_experts), jnp.float32))  # [D, E]
+        self.e_score_correction_bias = RouterBias(jnp.zeros((c.n_routed_experts,), jnp.float32))
+        self.config = config
+
+    def __call__(self, x: jax.Array) -> Routing:
+        """x [N, D] -> the X experts of each token and their weights (steps 1-4)."""
+        c = self.config
+        scores = jax.nn.sigmoid(x.astype(jnp.float32) @ self.weight[...])  # [N, E]
+        biased = scores + self.e_score_correction_bias[...]
+        if c.n_group > 1:
+            grouped = biased.reshape(-1, c.n_group, c.n_routed_experts // c.n_group)
+            group_score = jax.lax.top_k(grouped, 2)[0].sum(-1)  # [N, n_group]
+            kept = jax.lax.top_k(group_score, c.topk_group)[1]
+            keep = jnp.zeros_like(group_score, bool).at[jnp.arange(kept.shape[0])[:, None], kept].set(True)
+            biased = jnp.where(jnp.repeat(keep, c.n_routed_experts // c.n_group, axis=1), biased, -jnp.inf)
+        experts = jax.lax.top_k(biased, c.num_experts_per_tok)[1]
+        weights = jnp.take_along_axis(scores, experts, axis=1)
+        if c.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+        weights = weights * c.routed_scaling_factor
+        load = jnp.zeros((c.n_routed_experts,), jnp.int32).at[experts.reshape(-1)].add(1)
+        return Routing(weights, experts.astype(jnp.int32), load)
+
+
+class Experts(nnx.Module):
+    """E stacked SwiGLU experts."""
+
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        pdt = jnp.dtype(c.param_dtype)
+        init = nnx.initializers.normal(c.initializer_range)
+        keys = iter(jax.random.split(rngs.params(), 3))  # one draw from rngs per module
+        e, d, f = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
+        self.gate = nnx.Param(init(next(keys), (e, d, f), pdt))  # [E, D, F]
+        self.up = nnx.Param(init(next(keys), (e, d, f), pdt))  # [E, D, F]
+        self.down = nnx.Param(init(next(keys), (e, f, d), pdt))  # [E, F, D]
+
+    def __call__(self, x: jax.Array, routing: Routing) -> jax.Array:
+        """x [N, D] -> sum over each token's experts of weight * expert(x), [N, D]."""
+        n, k = routing.experts.shape
+        flat = routing.experts.reshape(-1)  # [N*X]
+        order = jnp.argsort(flat, stable=True)
+        xs = x[order // k]  # token copies, grouped by expert
+        sizes = routing.load
+        w = lambda p: p[...].astype(x.dtype)  # noqa: E731
+        h = jax.nn.silu(jax.lax.ragged_dot(xs, w(self.gate), sizes)) * jax.lax.ragged_dot(xs, w(self.up), sizes)
+        ys = jax.lax.ragged_dot(h, w(self.down), sizes)  # [N*X, D]
+        y = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, -1)
+        return jnp.einsum("NXD,NX->ND", y, routing.weights.astype(y.dtype))
+
+
+class MoE(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        self.router = Router(c, rngs=rngs)
+        self.experts = Experts(c, rngs=rngs)
+        self.shared = MLP(c.hidden_size, c.shared_intermediate_size, init_std=c.initializer_range,
+                          param_dtype=jnp.dtype(c.param_dtype), rngs=rngs) if c.n_shared_experts else None
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [B, T, D] -> (y [B, T, D], per-expert load [E])."""
+        flat = x.reshape(-1, x.shape[-1])
+        routing = self.router(flat)
+        y = self.experts(flat, routing).reshape(x.shape)
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return y, routing.load

@@ -1,0 +1,136 @@
+"""The GLM-5 / DeepSeek-V3.2 causal LM: embed -> decoder layers -> norm -> LM head, plus MTP.
+
+One forward serves training, prefill and decode:
+  * `model(ids)`: the whole sequence attends to itself (training, scoring).
+  * `model(ids, cache=cache)`: the T new tokens of each sequence are written into the
+    cache after its `lengths` and attend over everything cached: prefill when the cache is
+    empty, decode of one token, or verification of several speculative drafts at once.
+The top-k selection of each full-indexer layer flows to the shared layers after it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from glmjax.cache import KVCache
+from glmjax.config import ModelConfig
+from glmjax.layers.decoder import DecoderLayer
+from glmjax.layers.mtp import MTP
+from glmjax.layers.norms import RMSNorm
+from glmjax.layers.rope import rope_tables
+
+
+class ModelOutput(NamedTuple):
+    logits: jax.Array  # [B, T, N] fp32
+    hidden: jax.Array  # [B, T, D] last hidden state before the final norm (MTP, value heads)
+    cache: KVCache | None
+    indexer_loss: jax.Array | None  # mean KL over the full-indexer layers, when asked for
+    expert_load: jax.Array | None  # [L_moe, E] token copies per expert
+
+
+class MTPOutput(NamedTuple):
+    logits: jax.Array  # [B, T, N]: the prediction of token t+2
+    hidden: jax.Array  # [B, T, D]: fed back as h to draft one more token
+    cache: object  # the MTP layer's LayerCache, or None
+
+
+class GlmForCausalLM(nnx.Module):
+    def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
+        c = config
+        pdt = jnp.dtype(c.param_dtype)
+        init = nnx.initializers.normal(c.initializer_range)
+        self.embed_tokens = nnx.Param(init(rngs.params(), (c.vocab_size, c.hidden_size), pdt))  # [N, D]
+        # A fresh key stream per layer keeps init independent of depth (and cheap to trace).
+        self.layers = nnx.List([DecoderLayer(c, i, rngs=nnx.Rngs(params=rngs.params()))
+                                for i in range(c.num_hidden_layers)])
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=pdt)
+        self.lm_head = None if c.tie_word_embeddings else nnx.Param(
+            init(rngs.params(), (c.hidden_size, c.vocab_size), pdt))  # [D, N]
+        self.mtp = MTP(c, rngs=nnx.Rngs(params=rngs.params())) if c.num_nextn_predict_layers else None
+        self.config = config
+
+    def embed(self, ids: jax.Array) -> jax.Array:
+        """ids [B, T] -> [B, T, D] in the compute dtype."""
+        return jnp.take(self.embed_tokens[...], ids, axis=0).astype(jnp.dtype(self.config.dtype))
+
+    def head(self, h: jax.Array) -> jax.Array:
+        """Normed hidden [B, T, D] -> logits [B, T, N] fp32."""
+        w = self.embed_tokens[...].T if self.lm_head is None else self.lm_head[...]
+        return jnp.einsum("BTD,DN->BTN", h, w.astype(h.dtype)).astype(jnp.float32)
+
+    def positions(self, ids: jax.Array, cache: KVCache | None, positions: jax.Array | None) -> jax.Array:
+        if cache is not None:
+            return cache.lengths[:, None] + jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :]
+        if positions is not None:
+            return positions.astype(jnp.int32)
+        return jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
+
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        *,
+        positions: jax.Array | None = None,
+        cache: KVCache | None = None,
+        indexer_loss: str | None = None,
+    ) -> ModelOutput:
+        """input_ids [B, T] int. positions [B, T] (no-cache calls only; default arange).
+        indexer_loss: None | "dense" | "sparse" (see MLA.__call__)."""
+        c = self.config
+        q_pos = self.positions(input_ids, cache, positions)
+        cos, sin = rope_tables(c, q_pos)
+        x = self.embed(input_ids)
+        topk, losses, loads, new_layers = None, [], [], []
+        for i, layer in enumerate(self.layers):
+            out = layer(x, cos, sin, q_pos, cache=None if cache is None else cache.layers[i],
+                        shared_topk=topk, indexer_loss=indexer_loss)
+            x, topk = out.x, out.topk
+            new_layers.append(out.cache)
+            if out.indexer_loss is not None:
+                losses.append(out.indexer_loss)
+            if out.expert_load is not None:
+                loads.append(out.expert_load)
+        new_cache = None
+        if cache is not None:
+            new_cache = cache._replace(layers=tuple(new_layers), lengths=cache.lengths + input_ids.shape[1])
+        return ModelOutput(
+            logits=self.head(self.norm(x)),
+            hidden=x,
+            cache=new_cache,
+            indexer_loss=jnp.mean(jnp.stack(losses)) if losses else None,
+            expert_load=jnp.stack(loads) if loads else None,
+        )
+
+    def mtp_forward(self, hidden, next_ids, *, positions=None, cache=None, lengths=None) -> MTPOutput:
+        """The MTP prediction of token t+2 from hidden [B, T, D] at t and next_ids [B, T] (t+1).
+
+        Without a cache, positions default to arange(T) (the positions of `hidden`). With the
+        MTP layer's own LayerCache, the new entries go after `lengths` [B].
+        """
+        if self.mtp is None:
+            raise ValueError("this model has no MTP layer (config.num_nextn_predict_layers=0)")
+        if cache is not None:
+            q_pos = lengths[:, None] + jnp.arange(next_ids.shape[1], dtype=jnp.int32)[None, :]
+        else:
+            q_pos = self.positions(next_ids, None, positions)
+        cos, sin = rope_tables(self.config, q_pos)
+        h, out = self.mtp(hidden, self.embed(next_ids), cos, sin, q_pos, cache=cache)
+        return MTPOutput(self.head(h), out.x, out.cache)
+
+
+def init_model(config: ModelConfig, seed: int = 0) -> GlmForCausalLM:
+    """A randomly initialised model."""
+    return GlmForCausalLM(config, rngs=nnx.Rngs(params=seed))
+
+
+def count_params(config: ModelConfig, include_mtp: bool = True) -> int:
+    """Stored values (weights and correction biases) of the model, via jax.eval_shape:
+    nothing is allocated, so this works for the full 744B configuration."""
+    if not include_mtp:
+        config = config.replace(num_nextn_predict_layers=0)
+    abstract = nnx.eval_shape(lambda: init_model(config))
+    state = nnx.state(abstract)
+    return sum(int(x.size) for x in jax.tree.leaves(state))
