@@ -114,8 +114,12 @@ class ModelConfig:
             bad = set(self.index_topk_pattern) - {"F", "S"}
             if bad:
                 _fail("index_topk_pattern", self.index_topk_pattern, "use only the letters F (full) and S (shared)")
+            if len(self.index_topk_pattern) != self.num_hidden_layers:
+                _fail("index_topk_pattern", self.index_topk_pattern,
+                      f"expected one letter per layer (num_hidden_layers={self.num_hidden_layers}), "
+                      f"got {len(self.index_topk_pattern)}")
             return tuple({"F": "full", "S": "shared"}[c] for c in self.index_topk_pattern)
-        freq, offset = max(self.index_topk_freq, 1), self.index_skip_topk_offset
+        freq, offset = self.index_topk_freq, self.index_skip_topk_offset
         return tuple(
             "full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(self.num_hidden_layers)
         )
@@ -157,6 +161,16 @@ class ModelConfig:
         if self.num_experts_per_tok > self.topk_group * (self.n_routed_experts // self.n_group):
             _fail("num_experts_per_tok", self.num_experts_per_tok,
                   "more experts per token than the kept groups (topk_group x group size) hold")
+        for name in ("first_k_dense_replace", "n_shared_experts"):
+            if getattr(self, name) < 0:
+                _fail(name, getattr(self, name), "expected a non-negative integer")
+        if not self.rms_norm_eps > 0:
+            _fail("rms_norm_eps", self.rms_norm_eps, "expected a positive float")
+        if self.index_topk_freq < 1:
+            _fail("index_topk_freq", self.index_topk_freq, "expected >= 1 (1 = an indexer in every layer)")
+        if self.model_type == "deepseek_v32" and "shared" in self.indexer_types:
+            _fail("indexer_types", self.indexer_types,
+                  "DeepSeek-V3.2 runs an indexer in every layer; IndexShare needs model_type='glm_moe_dsa'")
         if self.num_nextn_predict_layers not in (0, 1):
             _fail("num_nextn_predict_layers", self.num_nextn_predict_layers, "expected 0 or 1")
         for field, values, allowed in (("mlp_layer_types", self.mlp_layer_types, ("dense", "sparse")),
@@ -270,7 +284,7 @@ class ModelConfig:
         out["architectures"] = [_HF_ARCHITECTURES[self.model_type]]
         out["head_dim"] = self.qk_rope_head_dim
         out["qk_head_dim"] = self.qk_head_dim
-        out["torch_dtype"] = self.param_dtype
+        out["dtype"] = self.param_dtype
         return out
 
 

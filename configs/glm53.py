@@ -1,0 +1,22 @@
+"""GLM-5.3: GLM-5 with IndexShare and a 1M-token context.
+
+IndexShare runs the lightning indexer on layers 0, 1, 2 and every 4th layer after
+(6, 10, ..., 74: 21 of 78); the other layers reuse the top-k of the nearest earlier full
+layer. Everything else is `configs/glm5.py`, loaded from beside this file.
+
+    glmjax-train --config configs/glm53.py --workdir /path/to/workdir
+"""
+
+import os
+
+from glmjax.presets import load_config
+
+
+def get_config(arg=None):
+    """`arg` (after `configs/glm53.py:`) is unused."""
+    config = load_config(os.path.join(os.path.dirname(os.path.abspath(__file__)), "glm5.py"), arg=arg)
+    config.model.index_topk_freq = 4
+    config.model.index_skip_topk_offset = 3
+    config.model.rope_parameters.rope_theta = 8e6
+    config.model.max_position_embeddings = 1048576
+    return config

@@ -1,0 +1,1 @@
+"""Tasks, sandboxes and verifiers for RL; imports nothing from rl/."""

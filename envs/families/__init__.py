@@ -1,0 +1,1 @@
+"""Procedural task families: small-scale RL tasks, terminal tasks, code repair."""

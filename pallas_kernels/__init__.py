@@ -1,0 +1,1 @@
+"""Pallas kernels for MLA, the lightning indexer and sparse MLA, each beside its jnp reference."""

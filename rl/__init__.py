@@ -1,0 +1,1 @@
+"""Post-training: everything between a prompt and a weight update."""

@@ -1,0 +1,42 @@
+"""pip packaging for glmjax: the model library, its kernels, the RL loop and the environments.
+
+    pip install -e .            # library + `glmjax-train`
+    pip install -e '.[test]'    # + pytest and the Hugging Face reference (CPU torch)
+    pip install -e '.[gpu]'     # or '.[tpu]': JAX for the accelerator
+"""
+
+from setuptools import find_packages, setup
+
+JAX_VERSION = "0.10.2"
+
+setup(
+    name="glmjax",
+    version="0.1.0",
+    description="GLM-5 (MoE + MLA + DeepSeek sparse attention) and its RL post-training loop in JAX / Flax NNX",
+    python_requires=">=3.11",
+    packages=find_packages(include=["glmjax*", "pallas_kernels*", "rl*", "envs*"]),
+    install_requires=[
+        f"jax=={JAX_VERSION}",
+        f"jaxlib=={JAX_VERSION}",
+        "flax==0.12.8",
+        "optax==0.2.8",
+        "orbax-checkpoint==0.12.8",
+        "grain==0.2.18",
+        "tensorstore==0.1.86",
+        "ml-collections==1.1.0",
+        "tensorboardX==2.6.5",
+        "safetensors>=0.4",
+        "numpy>=2.0",
+        "tqdm",
+        "matplotlib",
+    ],
+    extras_require={
+        # torch is pinned to the release whose CPU wheel the test machines carry; any other
+        # version pulls the CUDA build (gigabytes) just to run the Hugging Face reference.
+        "test": ["pytest", "pytest-xdist", "torch==2.13.0", "transformers>=5.24,<6"],
+        "serve": ["grpcio", "protobuf"],
+        "gpu": [f"jax[cuda12]=={JAX_VERSION}"],
+        "tpu": [f"jax[tpu]=={JAX_VERSION}"],
+    },
+    entry_points={"console_scripts": ["glmjax-train=glmjax.cli:train_main"]},
+)

@@ -1,0 +1,24 @@
+"""Test-wide JAX setup: 8 fake CPU devices, a persistent compile cache, exact fp32 matmuls.
+
+The environment must be set before anything imports jax, which is why this lives in
+conftest.py (imported by pytest before any test module).
+"""
+
+import os
+import pathlib
+
+_xla_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _xla_flags:
+    os.environ["XLA_FLAGS"] = (_xla_flags + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402  (after the environment above)
+
+_REPO = pathlib.Path(__file__).resolve().parent.parent
+
+jax.config.update("jax_compilation_cache_dir", os.environ.get("GLMJAX_JAX_CACHE", str(_REPO / ".jax_cache")))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+jax.config.update("jax_enable_x64", False)
+# Parity tests compare fp32 against torch at 1e-5; CPU matmuls must not drop to bf16 passes.
+jax.config.update("jax_default_matmul_precision", "highest")
