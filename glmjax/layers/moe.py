@@ -8,8 +8,8 @@ Routing, per token (aux-loss-free load balancing, arXiv 2408.15664):
      1 (norm_topk_prob), times routed_scaling_factor
   5. y = sum_x weight_x * SwiGLU_{e_x}(x) + SharedExpert(x)   (the shared expert has no gate)
 
-The experts run as one grouped matmul (`jax.lax.ragged_dot`) over the token copies sorted
-by expert: no capacity, no dropped tokens, and no [N, E] dense compute.
+The experts run as one grouped matmul (layers/gmm.py) over the token copies sorted by
+expert: no capacity, no dropped tokens, and no [N, E] dense compute.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glmjax.config import ModelConfig
+from glmjax.layers.gmm import swiglu_experts
 
 
 class RouterBias(nnx.Variable):
@@ -92,16 +93,8 @@ class Experts(nnx.Module):
 
     def __call__(self, x: jax.Array, routing: Routing) -> jax.Array:
         """x [N, D] -> sum over each token's experts of weight * expert(x), [N, D]."""
-        n, k = routing.experts.shape
-        flat = routing.experts.reshape(-1)  # [N*X]
-        order = jnp.argsort(flat, stable=True)
-        xs = x[order // k]  # token copies, grouped by expert
-        sizes = routing.load
         w = lambda p: p[...].astype(x.dtype)  # noqa: E731
-        h = jax.nn.silu(jax.lax.ragged_dot(xs, w(self.gate), sizes)) * jax.lax.ragged_dot(xs, w(self.up), sizes)
-        ys = jax.lax.ragged_dot(h, w(self.down), sizes)  # [N*X, D]
-        y = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, -1)
-        return jnp.einsum("NXD,NX->ND", y, routing.weights.astype(y.dtype))
+        return swiglu_experts(x, routing.experts, routing.weights, w(self.gate), w(self.up), w(self.down))
 
 
 class MoE(nnx.Module):
