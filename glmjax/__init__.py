@@ -11,6 +11,7 @@ from glmjax.config import ModelConfig
 from glmjax.generate import generate
 from glmjax.hf import CheckpointMismatch, from_pretrained, save_pretrained
 from glmjax.model import GlmForCausalLM, ModelOutput, count_params, init_model
+from glmjax.sharding import make_mesh
 
 __all__ = [
     "CheckpointMismatch",
@@ -23,5 +24,6 @@ __all__ = [
     "from_pretrained",
     "generate",
     "init_model",
+    "make_mesh",
     "save_pretrained",
 ]

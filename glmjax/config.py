@@ -89,6 +89,7 @@ class ModelConfig:
     dtype: str = "float32"
     param_dtype: str = "float32"
     kernel_impl: str = "xla"
+    moe_capacity_factor: float | None = None  # expert-parallel buffer bound; None: never drop a token
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  (frozen dataclass)
@@ -191,6 +192,8 @@ class ModelConfig:
             for key in ("factor", "original_max_position_embeddings"):
                 if key not in rope:
                     _fail("rope_parameters", rope, f"yarn RoPE needs '{key}'")
+        if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
+            _fail("moe_capacity_factor", self.moe_capacity_factor, "expected None (no dropping) or a positive float")
         for name, allowed in (("dtype", DTYPES), ("param_dtype", DTYPES), ("kernel_impl", KERNEL_IMPLS)):
             if getattr(self, name) not in allowed:
                 _fail(name, getattr(self, name), f"expected one of {allowed}")
@@ -262,7 +265,7 @@ class ModelConfig:
         rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
         if rope["rope_type"] == "yarn":
             rope.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
-        names = {f.name for f in dataclasses.fields(cls)} - {"dtype", "param_dtype", "kernel_impl", "rope_parameters"}
+        names = {f.name for f in dataclasses.fields(cls)} - {"dtype", "param_dtype", "kernel_impl", "moe_capacity_factor", "rope_parameters"}
         kwargs = {k: hf[k] for k in names if k in hf}
         kwargs["model_type"] = model_type
         kwargs["rope_parameters"] = rope
@@ -273,7 +276,7 @@ class ModelConfig:
     def to_hf(self) -> dict[str, Any]:
         """The config.json dict transformers' GlmMoeDsaConfig / DeepseekV32Config read."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if f.name not in ("dtype", "param_dtype", "kernel_impl", "index_topk_pattern")}
+               if f.name not in ("dtype", "param_dtype", "kernel_impl", "moe_capacity_factor", "index_topk_pattern")}
         out["rope_parameters"] = self.rope
         out["mlp_layer_types"] = list(self.mlp_layer_types)
         out["indexer_types"] = list(self.indexer_types)

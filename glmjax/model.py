@@ -22,6 +22,7 @@ from glmjax.layers.decoder import DecoderLayer
 from glmjax.layers.mtp import MTP
 from glmjax.layers.norms import RMSNorm
 from glmjax.layers.rope import rope_tables
+from glmjax.sharding import constrain
 
 
 class ModelOutput(NamedTuple):
@@ -43,13 +44,14 @@ class GlmForCausalLM(nnx.Module):
         c = config
         pdt = jnp.dtype(c.param_dtype)
         init = nnx.initializers.normal(c.initializer_range)
-        self.embed_tokens = nnx.Param(init(rngs.params(), (c.vocab_size, c.hidden_size), pdt))  # [N, D]
+        self.embed_tokens = nnx.Param(init(rngs.params(), (c.vocab_size, c.hidden_size), pdt),
+                                      logical_axes=("vocab", "embed"))  # [N, D]
         # A fresh key stream per layer keeps init independent of depth (and cheap to trace).
         self.layers = nnx.List([DecoderLayer(c, i, rngs=nnx.Rngs(params=rngs.params()))
                                 for i in range(c.num_hidden_layers)])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=pdt)
         self.lm_head = None if c.tie_word_embeddings else nnx.Param(
-            init(rngs.params(), (c.hidden_size, c.vocab_size), pdt))  # [D, N]
+            init(rngs.params(), (c.hidden_size, c.vocab_size), pdt), logical_axes=("embed", "vocab"))  # [D, N]
         self.mtp = MTP(c, rngs=nnx.Rngs(params=rngs.params())) if c.num_nextn_predict_layers else None
         self.config = config
 
@@ -82,12 +84,12 @@ class GlmForCausalLM(nnx.Module):
         c = self.config
         q_pos = self.positions(input_ids, cache, positions)
         cos, sin = rope_tables(c, q_pos)
-        x = self.embed(input_ids)
+        x = constrain(self.embed(input_ids), ("batch", "length", "act_embed"))
         topk, losses, loads, new_layers = None, [], [], []
         for i, layer in enumerate(self.layers):
             out = layer(x, cos, sin, q_pos, cache=None if cache is None else cache.layers[i],
                         shared_topk=topk, indexer_loss=indexer_loss)
-            x, topk = out.x, out.topk
+            x, topk = constrain(out.x, ("batch", "length", "act_embed")), out.topk
             new_layers.append(out.cache)
             if out.indexer_loss is not None:
                 losses.append(out.indexer_loss)
@@ -97,7 +99,7 @@ class GlmForCausalLM(nnx.Module):
         if cache is not None:
             new_cache = cache._replace(layers=tuple(new_layers), lengths=cache.lengths + input_ids.shape[1])
         return ModelOutput(
-            logits=self.head(self.norm(x)),
+            logits=constrain(self.head(self.norm(x)), ("batch", "length", "act_vocab")),
             hidden=x,
             cache=new_cache,
             indexer_loss=jnp.mean(jnp.stack(losses)) if losses else None,

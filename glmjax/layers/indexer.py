@@ -33,12 +33,14 @@ class Indexer(nnx.Module):
         init = nnx.initializers.normal(c.initializer_range)
         keys = iter(jax.random.split(rngs.params(), 3))  # one draw from rngs per module
         g, i = c.index_n_heads, c.index_head_dim
-        self.wq_b = nnx.Param(init(next(keys), (c.q_lora_rank, g, i), pdt))  # [Q, G, I]
-        self.wk = nnx.Param(init(next(keys), (c.hidden_size, i), pdt))  # [D, I]
-        self.k_norm_weight = nnx.Param(jnp.ones((i,), pdt))
-        self.k_norm_bias = nnx.Param(jnp.zeros((i,), pdt))
+        self.wq_b = nnx.Param(init(next(keys), (c.q_lora_rank, g, i), pdt),
+                              logical_axes=("q_lora", "index_heads", "index_dim"))  # [Q, G, I]
+        self.wk = nnx.Param(init(next(keys), (c.hidden_size, i), pdt), logical_axes=("embed", "index_dim"))  # [D, I]
+        self.k_norm_weight = nnx.Param(jnp.ones((i,), pdt), logical_axes=("norm",))
+        self.k_norm_bias = nnx.Param(jnp.zeros((i,), pdt), logical_axes=("norm",))
         # fp32 always, as in the reference: the head weights decide the ranking.
-        self.weights_proj = nnx.Param(init(next(keys), (c.hidden_size, g), jnp.float32))  # [D, G]
+        self.weights_proj = nnx.Param(init(next(keys), (c.hidden_size, g), jnp.float32),
+                                      logical_axes=("embed", "index_heads"))  # [D, G]
         self.config = config
 
     def _rope(self, x, cos, sin):

@@ -48,14 +48,19 @@ class MLA(nnx.Module):
         init = nnx.initializers.normal(c.initializer_range)
         keys = iter(jax.random.split(rngs.params(), 6))  # one draw from rngs per module
         h, k, r, v = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
-        self.q_a = nnx.Param(init(next(keys), (c.hidden_size, c.q_lora_rank), pdt))  # [D, Q]
-        self.q_a_norm = nnx.Param(jnp.ones((c.q_lora_rank,), pdt))
-        self.q_b = nnx.Param(init(next(keys), (c.q_lora_rank, h, k + r), pdt))  # [Q, H, K+R]
-        self.kv_a = nnx.Param(init(next(keys), (c.hidden_size, c.kv_lora_rank + r), pdt))  # [D, C+R]
-        self.kv_a_norm = nnx.Param(jnp.ones((c.kv_lora_rank,), pdt))
-        self.w_uk = nnx.Param(init(next(keys), (c.kv_lora_rank, h, k), pdt))  # [C, H, K]
-        self.w_uv = nnx.Param(init(next(keys), (c.kv_lora_rank, h, v), pdt))  # [C, H, V]
-        self.o_proj = nnx.Param(init(next(keys), (h, v, c.hidden_size), pdt))  # [H, V, D]
+        self.q_a = nnx.Param(init(next(keys), (c.hidden_size, c.q_lora_rank), pdt), logical_axes=("embed", "q_lora"))  # [D, Q]
+        self.q_a_norm = nnx.Param(jnp.ones((c.q_lora_rank,), pdt), logical_axes=("norm",))
+        self.q_b = nnx.Param(init(next(keys), (c.q_lora_rank, h, k + r), pdt),
+                             logical_axes=("q_lora", "heads", "head_dim"))  # [Q, H, K+R]
+        self.kv_a = nnx.Param(init(next(keys), (c.hidden_size, c.kv_lora_rank + r), pdt),
+                              logical_axes=("embed", "kv_lora"))  # [D, C+R]
+        self.kv_a_norm = nnx.Param(jnp.ones((c.kv_lora_rank,), pdt), logical_axes=("norm",))
+        self.w_uk = nnx.Param(init(next(keys), (c.kv_lora_rank, h, k), pdt),
+                              logical_axes=("kv_lora", "heads", "head_dim"))  # [C, H, K]
+        self.w_uv = nnx.Param(init(next(keys), (c.kv_lora_rank, h, v), pdt),
+                              logical_axes=("kv_lora", "heads", "head_dim"))  # [C, H, V]
+        self.o_proj = nnx.Param(init(next(keys), (h, v, c.hidden_size), pdt),
+                                logical_axes=("heads", "head_dim", "embed"))  # [H, V, D]
         owns_indexer = layer is None or c.has_indexer(layer)
         self.indexer = Indexer(c, rngs=rngs) if owns_indexer else None
         self.config = config

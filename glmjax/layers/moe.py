@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from glmjax.config import ModelConfig
+from glmjax.layers import expert_parallel
 from glmjax.layers.gmm import swiglu_experts
 
 
@@ -34,9 +35,9 @@ class MLP(nnx.Module):
     def __init__(self, hidden: int, inner: int, *, init_std: float, param_dtype, rngs: nnx.Rngs):
         init = nnx.initializers.normal(init_std)
         keys = iter(jax.random.split(rngs.params(), 3))  # one draw from rngs per module
-        self.gate = nnx.Param(init(next(keys), (hidden, inner), param_dtype))  # [D, F]
-        self.up = nnx.Param(init(next(keys), (hidden, inner), param_dtype))  # [D, F]
-        self.down = nnx.Param(init(next(keys), (inner, hidden), param_dtype))  # [F, D]
+        self.gate = nnx.Param(init(next(keys), (hidden, inner), param_dtype), logical_axes=("embed", "mlp"))  # [D, F]
+        self.up = nnx.Param(init(next(keys), (hidden, inner), param_dtype), logical_axes=("embed", "mlp"))  # [D, F]
+        self.down = nnx.Param(init(next(keys), (inner, hidden), param_dtype), logical_axes=("mlp", "embed"))  # [F, D]
 
     def __call__(self, x: jax.Array) -> jax.Array:
         w = lambda p: p[...].astype(x.dtype)  # noqa: E731
@@ -54,8 +55,9 @@ class Router(nnx.Module):
     def __init__(self, config: ModelConfig, *, rngs: nnx.Rngs):
         c = config
         self.weight = nnx.Param(nnx.initializers.normal(c.initializer_range)(
-            rngs.params(), (c.hidden_size, c.n_routed_experts), jnp.float32))  # [D, E]
-        self.e_score_correction_bias = RouterBias(jnp.zeros((c.n_routed_experts,), jnp.float32))
+            rngs.params(), (c.hidden_size, c.n_routed_experts), jnp.float32), logical_axes=("embed", "router"))  # [D, E]
+        self.e_score_correction_bias = RouterBias(jnp.zeros((c.n_routed_experts,), jnp.float32),
+                                                  logical_axes=("router",))
         self.config = config
 
     def __call__(self, x: jax.Array) -> Routing:
@@ -87,9 +89,9 @@ class Experts(nnx.Module):
         init = nnx.initializers.normal(c.initializer_range)
         keys = iter(jax.random.split(rngs.params(), 3))  # one draw from rngs per module
         e, d, f = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
-        self.gate = nnx.Param(init(next(keys), (e, d, f), pdt))  # [E, D, F]
-        self.up = nnx.Param(init(next(keys), (e, d, f), pdt))  # [E, D, F]
-        self.down = nnx.Param(init(next(keys), (e, f, d), pdt))  # [E, F, D]
+        self.gate = nnx.Param(init(next(keys), (e, d, f), pdt), logical_axes=("experts", "embed", "mlp"))  # [E, D, F]
+        self.up = nnx.Param(init(next(keys), (e, d, f), pdt), logical_axes=("experts", "embed", "mlp"))  # [E, D, F]
+        self.down = nnx.Param(init(next(keys), (e, f, d), pdt), logical_axes=("experts", "mlp", "embed"))  # [E, F, D]
 
     def __call__(self, x: jax.Array, routing: Routing) -> jax.Array:
         """x [N, D] -> sum over each token's experts of weight * expert(x), [N, D]."""
@@ -102,6 +104,7 @@ class MoE(nnx.Module):
         c = config
         self.router = Router(c, rngs=rngs)
         self.experts = Experts(c, rngs=rngs)
+        self.config = config
         self.shared = MLP(c.hidden_size, c.shared_intermediate_size, init_std=c.initializer_range,
                           param_dtype=jnp.dtype(c.param_dtype), rngs=rngs) if c.n_shared_experts else None
 
@@ -109,7 +112,14 @@ class MoE(nnx.Module):
         """x [B, T, D] -> (y [B, T, D], per-expert load [E])."""
         flat = x.reshape(-1, x.shape[-1])
         routing = self.router(flat)
-        y = self.experts(flat, routing).reshape(x.shape)
+        if expert_parallel.enabled(flat.shape[0], self.config.n_routed_experts):
+            ex, dt = self.experts, x.dtype
+            y = expert_parallel.experts_forward(
+                flat, routing.experts, routing.weights, ex.gate[...].astype(dt), ex.up[...].astype(dt),
+                ex.down[...].astype(dt), capacity_factor=self.config.moe_capacity_factor)
+        else:
+            y = self.experts(flat, routing)
+        y = y.reshape(x.shape)
         if self.shared is not None:
             y = y + self.shared(x)
         return y, routing.load

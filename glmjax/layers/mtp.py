@@ -27,7 +27,8 @@ class MTP(nnx.Module):
         d = c.hidden_size
         self.enorm = RMSNorm(d, c.rms_norm_eps, param_dtype=pdt)
         self.hnorm = RMSNorm(d, c.rms_norm_eps, param_dtype=pdt)
-        self.eh_proj = nnx.Param(nnx.initializers.normal(c.initializer_range)(rngs.params(), (2 * d, d), pdt))
+        self.eh_proj = nnx.Param(nnx.initializers.normal(c.initializer_range)(rngs.params(), (2 * d, d), pdt),
+                                 logical_axes=(None, "embed"))
         self.block = DecoderLayer(c, None, rngs=rngs)
         self.head_norm = RMSNorm(d, c.rms_norm_eps, param_dtype=pdt)
 

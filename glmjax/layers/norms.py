@@ -24,7 +24,7 @@ def layer_norm(x: jax.Array, weight: jax.Array, bias: jax.Array, eps: float) -> 
 
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, *, param_dtype=jnp.float32):
-        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -33,8 +33,8 @@ class RMSNorm(nnx.Module):
 
 class LayerNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, *, param_dtype=jnp.float32):
-        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
-        self.bias = nnx.Param(jnp.zeros((dim,), param_dtype))
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype), logical_axes=("norm",))
+        self.bias = nnx.Param(jnp.zeros((dim,), param_dtype), logical_axes=("norm",))
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:

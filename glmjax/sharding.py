@@ -1,0 +1,188 @@
+"""Meshes, logical axis names and the rules that map them to mesh axes.
+
+Every parameter carries `logical_axes` metadata (e.g. experts' gate: ("experts", "embed",
+"mlp")), and activations are constrained by logical names ("batch", "length", ...).
+A rule table maps each logical name to a mesh axis, a tuple of axes, or None
+(replicated); it lives in config and can be overridden, as in MaxText / levanter.
+
+Mesh axes:
+  data      pure data parallelism (replicated parameters)
+  stage     pipeline stages (glmjax/pipeline.py)
+  fsdp      parameters and optimizer state split over the hidden dimension, and data
+  expert    experts split across devices (explicit all-to-all dispatch, layers/expert_parallel.py)
+  tensor    attention / indexer heads, MLP hidden, vocabulary
+  sequence  context parallelism: long sequences split across devices
+
+Usage:
+    mesh = glmjax.make_mesh(data=2, expert=2, tensor=2)
+    with glmjax.sharding.use_mesh(mesh):
+        model = glmjax.sharding.init_sharded(config, mesh)      # created already sharded
+        out = jax.jit(forward)(nnx.state(model), ids)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Iterable, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+AXES = ("data", "stage", "fsdp", "expert", "tensor", "sequence")
+BATCH_AXES = ("data", "fsdp", "expert")  # the axes a batch of tokens is split over
+
+Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+
+DEFAULT_RULES: Rules = (
+    # parameters
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("index_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("experts", "expert"),
+    ("q_lora", None),
+    ("kv_lora", None),
+    ("head_dim", None),
+    ("index_dim", None),
+    ("router", None),
+    ("norm", None),
+    ("layers", "stage"),
+    # activations
+    ("batch", BATCH_AXES),
+    ("length", "sequence"),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_vocab", "tensor"),
+)
+
+_RULES: contextvars.ContextVar[Rules] = contextvars.ContextVar("glmjax_sharding_rules", default=DEFAULT_RULES)
+
+
+def make_mesh(*, data: int = 1, stage: int = 1, fsdp: int = 1, expert: int = 1, tensor: int = 1,
+              sequence: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A mesh over all six axes (sizes multiply to the device count)."""
+    shape = (data, stage, fsdp, expert, tensor, sequence)
+    devices = list(jax.devices() if devices is None else devices)
+    if math.prod(shape) != len(devices):
+        raise ValueError(f"mesh {dict(zip(AXES, shape))} needs {math.prod(shape)} devices, "
+                         f"but {len(devices)} are available")
+    return Mesh(np.asarray(devices).reshape(shape), AXES,
+                axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
+
+
+def rules_from(pairs: Iterable[Sequence]) -> Rules:
+    """Normalises rules read from config (lists from ml-collections become tuples)."""
+    out = []
+    for name, target in pairs:
+        if isinstance(target, list):
+            target = tuple(target)
+        if target is not None:
+            for axis in (target,) if isinstance(target, str) else target:
+                if axis not in AXES:
+                    raise ValueError(f"sharding rule {name!r} -> {target!r}: unknown mesh axis {axis!r}; "
+                                     f"mesh axes are {AXES}")
+        out.append((name, target))
+    return tuple(out)
+
+
+@contextlib.contextmanager
+def use_rules(rules: Rules):
+    token = _RULES.set(rules_from(rules))
+    try:
+        yield
+    finally:
+        _RULES.reset(token)
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh, rules: Rules | None = None):
+    """Sets the ambient mesh (jax.set_mesh) and, optionally, the logical rules."""
+    with jax.set_mesh(mesh), use_rules(rules if rules is not None else current_rules()):
+        yield
+
+
+def current_rules() -> Rules:
+    return _RULES.get()
+
+
+def logical_spec(names: Sequence[str | None], shape: Sequence[int] | None = None, *,
+                 mesh: Mesh | None = None, rules: Rules | None = None) -> PartitionSpec:
+    """PartitionSpec for logical names. A dimension a mesh axis does not divide (or whose
+    axis is already used by an earlier dimension) stays replicated."""
+    table = dict(rules if rules is not None else current_rules())
+    sizes = dict(mesh.shape) if mesh is not None else None
+    used, out = set(), []
+    for i, name in enumerate(names):
+        if name is None:
+            out.append(None)
+            continue
+        if name not in table:
+            raise KeyError(f"no sharding rule for logical axis {name!r}; rules cover {sorted(table)}")
+        target = table[name]
+        axes = () if target is None else ((target,) if isinstance(target, str) else tuple(target))
+        axes = tuple(a for a in axes if a not in used and (sizes is None or sizes[a] > 1))
+        if shape is not None and sizes is not None:
+            while axes and shape[i] % math.prod(sizes[a] for a in axes):
+                axes = axes[:-1]
+        used.update(axes)
+        out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*out)
+
+
+def param_specs(state, *, mesh: Mesh | None = None, rules: Rules | None = None):
+    """A tree of PartitionSpecs matching an nnx.State, from each variable's logical_axes."""
+
+    def spec(var):
+        names = var.get_metadata("logical_axes", None) or (None,) * len(var.shape)
+        return logical_spec(names, var.shape, mesh=mesh, rules=rules)
+
+    return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def param_shardings(state, mesh: Mesh, rules: Rules | None = None):
+    specs = param_specs(state, mesh=mesh, rules=rules)
+    return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def init_sharded(config, mesh: Mesh, *, rules: Rules | None = None, seed: int = 0):
+    """The model, its parameters created directly in their shardings (no host copy)."""
+    from glmjax.model import GlmForCausalLM
+
+    rules = rules if rules is not None else current_rules()
+    abstract = nnx.eval_shape(lambda: GlmForCausalLM(config, rngs=nnx.Rngs(params=seed)))
+    graphdef, abstract_state = nnx.split(abstract)
+    shardings = param_shardings(abstract_state, mesh, rules)
+
+    def init():
+        return nnx.state(GlmForCausalLM(config, rngs=nnx.Rngs(params=seed)))
+
+    state = jax.jit(init, out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
+
+
+def shard_model(model, mesh: Mesh, rules: Rules | None = None):
+    """Places an existing model's parameters on the mesh."""
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.device_put(state, param_shardings(state, mesh, rules)))
+
+
+def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+    """with_sharding_constraint by logical names under the ambient mesh; a no-op without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_spec(names, x.shape, mesh=mesh))
+
+
+def per_device_bytes(tree) -> dict:
+    """Bytes each device holds for the arrays of a tree: {device: bytes}."""
+    out = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in leaf.addressable_shards:
+            out[shard.device] = out.get(shard.device, 0) + shard.data.nbytes
+    return out
