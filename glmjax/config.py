@@ -120,7 +120,7 @@ class ModelConfig:
                       f"expected one letter per layer (num_hidden_layers={self.num_hidden_layers}), "
                       f"got {len(self.index_topk_pattern)}")
             return tuple({"F": "full", "S": "shared"}[c] for c in self.index_topk_pattern)
-        freq, offset = self.index_topk_freq, self.index_skip_topk_offset
+        freq, offset = max(self.index_topk_freq, 1), self.index_skip_topk_offset  # HF reads 0 as 1
         return tuple(
             "full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(self.num_hidden_layers)
         )
@@ -167,8 +167,6 @@ class ModelConfig:
                 _fail(name, getattr(self, name), "expected a non-negative integer")
         if not self.rms_norm_eps > 0:
             _fail("rms_norm_eps", self.rms_norm_eps, "expected a positive float")
-        if self.index_topk_freq < 1:
-            _fail("index_topk_freq", self.index_topk_freq, "expected >= 1 (1 = an indexer in every layer)")
         if self.model_type == "deepseek_v32" and "shared" in self.indexer_types:
             _fail("indexer_types", self.indexer_types,
                   "DeepSeek-V3.2 runs an indexer in every layer; IndexShare needs model_type='glm_moe_dsa'")

@@ -1,5 +1,7 @@
 """Dispatch of the attention ops: `kernel_impl="xla"` runs the jnp references (the CPU
-default); `"pallas"` runs the Pallas kernels (interpret mode on a CPU)."""
+default); `"pallas"` runs the Pallas kernels: interpret mode on a CPU, Triton on a GPU
+(see `_backend.py`). Both sets share names and signatures, so a model switches with
+`ModelConfig.kernel_impl` (or `from_pretrained(..., kernel_impl=...)`) alone."""
 
 from __future__ import annotations
 
@@ -21,7 +23,11 @@ def _pallas_ops():
 def get(name: str, kernel_impl: str):
     """The op `name` for an implementation: "xla" or "pallas"."""
     if kernel_impl == "xla":
-        return _XLA[name]
-    if kernel_impl == "pallas":
-        return _pallas_ops()[name]
-    raise ValueError(f"kernel_impl={kernel_impl!r} is invalid: expected 'xla' or 'pallas'")
+        table = _XLA
+    elif kernel_impl == "pallas":
+        table = _pallas_ops()
+    else:
+        raise ValueError(f"kernel_impl={kernel_impl!r} is invalid: expected 'xla' or 'pallas'")
+    if name not in table:
+        raise KeyError(f"no op {name!r}: expected one of {sorted(table)}")
+    return table[name]

@@ -9,7 +9,7 @@ P latent rows per query, never by masking a dense T x S matrix, and queries are 
 in blocks so memory is O(block * S) rather than O(T * S).
 
 Legend: B batch, T queries, S keys, H heads, C kv latent, R rope dim, P selected keys,
-G indexer heads, I indexer head dim.
+G indexer heads, I indexer head dim, E expanded query/key width (nope + rope), V value dim.
 """
 
 from __future__ import annotations
@@ -18,7 +18,10 @@ import jax
 import jax.numpy as jnp
 
 NEG_INF = float("-inf")
+_NEG = -1e30  # finite "minus infinity" of the online softmax: _NEG - _NEG is 0, not nan
 QUERY_BLOCK = 256
+KEY_BLOCK = 1024
+SPARSE_QUERY_BLOCK = 16  # gathered rows of a block stay in cache: [16, P, C + R]
 
 
 def map_query_blocks(fn, block: int, *args):
@@ -54,21 +57,64 @@ def _softmax_rows(scores: jax.Array, valid: jax.Array) -> jax.Array:
     return e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)
 
 
-def mla_attention(q_c, q_r, c_kv, k_r, q_pos, *, scale: float, block: int = QUERY_BLOCK):
+def mla_attention(q_c, q_r, c_kv, k_r, q_pos, *, scale: float, block: int = QUERY_BLOCK,
+                  key_block: int = KEY_BLOCK):
     """Causal absorbed-MLA attention over every visible key.
 
     q_c [B, T, H, C], q_r [B, T, H, R], c_kv [B, S, C], k_r [B, S, R]; key s is at
     position s and visible to the query at q_pos [B, T] when s <= q_pos.
     Returns o_c [B, T, H, C] (fp32 softmax, output in q_c's dtype).
+
+    A query block walks the key blocks only up to its last visible key, with the online
+    softmax of FlashAttention, so causal prefill does half the work of the full square
+    and a decode step reads only the filled part of its cache. The (token, head) pairs are
+    the rows of one matmul against the shared latent key (M = T * H).
     """
+    num_keys = c_kv.shape[1]
 
     def attend(qc, qr, pos):
-        scores = jnp.einsum("BTHC,BSC->BTHS", qc, c_kv) + jnp.einsum("BTHR,BSR->BTHS", qr, k_r)
-        valid = jnp.arange(c_kv.shape[1])[None, None, None, :] <= pos[:, :, None, None]
-        probs = _softmax_rows(scores * scale, valid)
-        return jnp.einsum("BTHS,BSC->BTHC", probs.astype(c_kv.dtype), c_kv)
+        b, t, h, _ = qc.shape
+        rows = lambda x: x.reshape(b, t * h, x.shape[-1])  # noqa: E731  [B, M, .], row m = t * H + h
+        row_pos = jnp.repeat(pos, h, axis=1)[:, :, None]  # [B, M, 1]
+
+        def step(j, carry):
+            acc, peak, total = carry
+            (c_j, r_j), keys = _key_block(j, key_block, c_kv, k_r)
+            scores = jnp.einsum("BMC,BSC->BMS", rows(qc), c_j) + jnp.einsum("BMR,BSR->BMS", rows(qr), r_j)
+            valid = keys & (jnp.arange(keys.shape[-1]) + _block_start(j, key_block, num_keys) <= row_pos)
+            scores = jnp.where(valid, scores.astype(jnp.float32) * scale, _NEG)
+            new_peak = jnp.maximum(peak, scores.max(-1))
+            p = jnp.where(valid, jnp.exp(scores - new_peak[..., None]), 0.0)
+            fix = jnp.exp(peak - new_peak)
+            acc = acc * fix[..., None] + jnp.einsum("BMS,BSC->BMC", p.astype(c_j.dtype), c_j)
+            return acc, new_peak, total * fix + p.sum(-1)
+
+        init = (jnp.zeros((b, t * h, c_kv.shape[-1]), jnp.float32), jnp.full((b, t * h), _NEG), jnp.zeros((b, t * h)))
+        acc, _, total = jax.lax.fori_loop(0, _blocks_to(pos, key_block, num_keys), step, init)
+        return (acc / jnp.maximum(total, 1e-30)[..., None]).reshape(qc.shape).astype(qc.dtype)
 
     return map_query_blocks(attend, block, q_c, q_r, q_pos)
+
+
+def _block_start(j, key_block: int, num_keys: int):
+    """Start of key block j; the last block is shifted back to end at num_keys (it then
+    overlaps its predecessor, whose keys `_key_block` marks as already seen)."""
+    size = min(key_block, num_keys)
+    return jnp.minimum(j * key_block, num_keys - size)
+
+
+def _key_block(j, key_block: int, *xs):
+    """Key block j of each x [B, S, ...] and a [key_block] mask of the keys new to it."""
+    num_keys = xs[0].shape[1]
+    start = _block_start(j, key_block, num_keys)
+    size = min(key_block, num_keys)
+    blocks = tuple(jax.lax.dynamic_slice_in_dim(x, start, size, 1) for x in xs)
+    return blocks, start + jnp.arange(size) >= j * key_block
+
+
+def _blocks_to(pos, key_block: int, num_keys: int):
+    """Number of key blocks that hold a key visible to some query at pos."""
+    return jnp.minimum(jnp.max(pos), num_keys - 1) // key_block + 1
 
 
 def gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -76,11 +122,13 @@ def gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
     return jax.vmap(lambda xb, ib: xb[jnp.maximum(ib, 0)])(x, idx)
 
 
-def sparse_mla_attention(q_c, q_r, c_kv, k_r, q_pos, topk_idx, *, scale: float, block: int = QUERY_BLOCK):
+def sparse_mla_attention(q_c, q_r, c_kv, k_r, q_pos, topk_idx, *, scale: float,
+                         block: int = SPARSE_QUERY_BLOCK):
     """Absorbed-MLA attention restricted to the selected keys (DSA).
 
     topk_idx [B, T, P] holds key positions, -1 for empty slots; a selected key also has to
-    be visible (<= q_pos). Cost O(T * P * H * (C + R)): only the P gathered rows are read.
+    be visible (<= q_pos). Cost O(T * P * H * (C + R)): only the P gathered rows are read,
+    a few queries at a time so that they are still in cache when the einsums read them.
     """
 
     def attend(qc, qr, pos, idx):
@@ -93,23 +141,36 @@ def sparse_mla_attention(q_c, q_r, c_kv, k_r, q_pos, topk_idx, *, scale: float, 
     return map_query_blocks(attend, block, q_c, q_r, q_pos, topk_idx)
 
 
-def indexer_scores(q, w, k, q_pos, *, block: int = QUERY_BLOCK):
+def indexer_scores(q, w, k, q_pos, *, block: int = QUERY_BLOCK, key_block: int = KEY_BLOCK):
     """Lightning-indexer scores (DeepSeek-V3.2, DSA):
 
         I[t, s] = sum_g w[t, g] * relu(q[t, g] . k[s] * I^-0.5),   -inf where s > q_pos[t]
 
     q [B, T, G, I], w [B, T, G] (already times G^-0.5), k [B, S, I]. Returns [B, T, S] fp32.
-    The [T, S, G] product exists one query block at a time.
+    One [block, G, key_block] product exists at a time, and a query block scores only the
+    key blocks up to its last visible key (the rest stay -inf).
     """
-    scale = q.shape[-1] ** -0.5
-
-    def score(qb, wb, pos):
-        logits = jnp.einsum("BTGI,BSI->BTSG", qb.astype(jnp.float32), k.astype(jnp.float32)) * scale
-        s = jnp.einsum("BTSG,BTG->BTS", jax.nn.relu(logits), wb.astype(jnp.float32))
-        visible = jnp.arange(k.shape[1])[None, None, :] <= pos[:, :, None]
-        return jnp.where(visible, s, NEG_INF)
-
+    k = k.astype(jnp.float32)
+    score = lambda qb, wb, pos: _score_block(qb, wb, pos, k, key_block)  # noqa: E731
     return map_query_blocks(score, block, q, w, q_pos)
+
+
+def _score_block(q, w, pos, k, key_block: int):
+    """indexer_scores of one query block q [B, t, G, I] against all keys k [B, S, I]."""
+    num_keys, scale = k.shape[1], q.shape[-1] ** -0.5
+    q, w = q.astype(jnp.float32), w.astype(jnp.float32)
+
+    def step(j, out):
+        (k_j,), _ = _key_block(j, key_block, k)  # an overlapping last block rewrites equal scores
+        # One matmul per head, accumulated straight into the [t, S_blk] tile.
+        s = sum(w[:, :, g, None] * jax.nn.relu(jnp.einsum("BTI,BSI->BTS", q[:, :, g], k_j) * scale)
+                for g in range(q.shape[2]))
+        return jax.lax.dynamic_update_slice_in_dim(out, s, _block_start(j, key_block, num_keys), 2)
+
+    out = jnp.zeros(q.shape[:2] + (num_keys,), jnp.float32)
+    out = jax.lax.fori_loop(0, _blocks_to(pos, key_block, num_keys), step, out)
+    visible = jnp.arange(num_keys)[None, None, :] <= pos[:, :, None]
+    return jnp.where(visible, out, NEG_INF)
 
 
 def select_topk(scores: jax.Array, topk: int) -> jax.Array:
@@ -121,8 +182,10 @@ def select_topk(scores: jax.Array, topk: int) -> jax.Array:
 def indexer_topk(q, w, k, q_pos, *, topk: int, block: int = QUERY_BLOCK):
     """`select_topk(indexer_scores(...))` fused per query block: O(block * S) memory."""
 
+    k = k.astype(jnp.float32)
+
     def one_block(qb, wb, pos):
-        return select_topk(indexer_scores(qb, wb, k, pos, block=qb.shape[1]), topk)
+        return select_topk(_score_block(qb, wb, pos, k, KEY_BLOCK), topk)
 
     return map_query_blocks(one_block, block, q, w, q_pos)
 
@@ -133,3 +196,57 @@ def mla_attention_probs(q_c, q_r, c_kv, k_r, q_pos, *, scale: float):
     valid = jnp.arange(c_kv.shape[1])[None, None, None, :] <= q_pos[:, :, None, None]
     probs = _softmax_rows(scores * scale, valid).sum(axis=2)
     return probs / jnp.maximum(probs.sum(-1, keepdims=True), 1e-30)
+
+
+def selected_keys(topk_idx: jax.Array, num_keys: int) -> jax.Array:
+    """topk_idx [B, T, P] (-1 = empty) -> [B, T, S] bool: which keys each query selected."""
+    mark = lambda idx: jnp.zeros(num_keys, bool).at[jnp.where(idx >= 0, idx, num_keys)].set(True, mode="drop")  # noqa: E731
+    return jax.vmap(jax.vmap(mark))(topk_idx)
+
+
+def mla_attention_expanded(q, k, v, q_pos, topk_idx=None, *, scale: float, block: int = QUERY_BLOCK):
+    """MLA in its expanded (training) form: per-head keys and values.
+
+    q [B, T, H, E], k [B, S, H, E] (E = nope + rope dims, concatenated), v [B, S, H, V];
+    key s is visible to the query at q_pos [B, T] when s <= q_pos and, if topk_idx
+    [B, T, P] is given, s is among its selected keys. Returns [B, T, H, V].
+    """
+
+    def attend(qb, pos, *idx):
+        scores = jnp.einsum("BTHE,BSHE->BTHS", qb, k) * scale
+        valid = jnp.arange(k.shape[1])[None, None, :] <= pos[:, :, None]
+        if idx:
+            valid &= selected_keys(idx[0], k.shape[1])
+        probs = _softmax_rows(scores, valid[:, :, None, :])
+        return jnp.einsum("BTHS,BSHV->BTHV", probs.astype(v.dtype), v)
+
+    extra = () if topk_idx is None else (topk_idx,)
+    return map_query_blocks(attend, block, q, q_pos, *extra)
+
+
+FP8_E4M3_MAX = 448.0
+
+
+def fp8_e4m3_blockwise(x: jax.Array, block: int = 128):
+    """FP8 e4m3 with one fp32 scale per `block` consecutive values of the last axis (the
+    DeepSeek-V3.2 indexer's `act_quant`): x ~ values * scale, scale = amax / 448.
+
+    x [..., I] with I <= block or I % block == 0. Returns (values [..., I] float8_e4m3fn,
+    scales [..., ceil(I / block)] fp32).
+    """
+    width = x.shape[-1]
+    if width > block and width % block:
+        raise ValueError(f"fp8 blocks of {block}: the last axis must be <= {block} or a multiple of it, got {width}")
+    groups = max(1, width // block)
+    xg = x.astype(jnp.float32).reshape(*x.shape[:-1], groups, width // groups)
+    amax = jnp.max(jnp.abs(xg), axis=-1, keepdims=True)
+    scale = jnp.where(amax > 0, amax / FP8_E4M3_MAX, 1.0)
+    values = (xg / scale).astype(jnp.float8_e4m3fn).reshape(x.shape)
+    return values, scale[..., 0]
+
+
+def fp8_dequantize(values: jax.Array, scales: jax.Array) -> jax.Array:
+    """Inverse of `fp8_e4m3_blockwise`: [..., I] fp32."""
+    groups = scales.shape[-1]
+    v = values.astype(jnp.float32).reshape(*values.shape[:-1], groups, values.shape[-1] // groups)
+    return (v * scales[..., None]).reshape(values.shape)
