@@ -40,13 +40,15 @@ Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 DEFAULT_RULES: Rules = (
     # parameters
     ("vocab", "tensor"),
-    ("embed", "fsdp"),
+    # FSDP spans fsdp x expert: expert weights take `expert` on their first axis, so their
+    # hidden dimension gets fsdp alone; every other weight is split over both.
+    ("embed", ("fsdp", "expert")),
     ("heads", "tensor"),
     ("index_heads", "tensor"),
     ("mlp", "tensor"),
     ("experts", "expert"),
-    ("q_lora", None),
-    ("kv_lora", None),
+    ("q_lora", ("fsdp", "expert")),
+    ("kv_lora", ("fsdp", "expert")),
     ("head_dim", None),
     ("index_dim", None),
     ("router", None),
