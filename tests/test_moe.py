@@ -105,3 +105,21 @@ def _numpy_like(x, experts, weights, gate, up, down):
     combine = onehot.sum(1)
     h = jax.nn.silu(jnp.einsum("ND,EDF->NEF", x, gate)) * jnp.einsum("ND,EDF->NEF", x, up)
     return jnp.einsum("NEF,EFD,NE->ND", h, down, combine)
+
+
+def test_correction_bias_update_moves_load_toward_balance():
+    from glmjax.layers.moe import update_correction_biases
+    from tests.test_model import TINY
+
+    model = glmjax.init_model(TINY, seed=0)
+    ids = jax.random.randint(jax.random.key(0), (4, 32), 0, TINY.vocab_size)
+    load = model(ids).expert_load
+    before = [np.asarray(layer.mlp.router.e_score_correction_bias[...]) for layer in model.layers[1:]]
+    update_correction_biases(model, load, rate=1e-3)
+    for layer, b, l in zip(model.layers[1:], before, np.asarray(load)):
+        delta = np.asarray(layer.mlp.router.e_score_correction_bias[...]) - b
+        np.testing.assert_allclose(delta, 1e-3 * np.sign(l.mean() - l), rtol=1e-6)
+    spread = lambda l: np.asarray(l, float).std(-1).mean()  # noqa: E731
+    for _ in range(30):
+        update_correction_biases(model, model(ids).expert_load, rate=1e-2)
+    assert spread(model(ids).expert_load) < spread(load)

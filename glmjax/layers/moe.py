@@ -123,3 +123,22 @@ class MoE(nnx.Module):
         if self.shared is not None:
             y = y + self.shared(x)
         return y, routing.load
+
+
+def update_correction_biases(model, expert_load: jax.Array, rate: float) -> None:
+    """Aux-loss-free load balancing (DeepSeek-V3, arXiv 2408.15664): after each step,
+
+        b_e <- b_e + rate * sign(mean_e(load) - load_e)
+
+    for every MoE layer: overloaded experts become less attractive to the router, idle ones
+    more. expert_load [L_moe, E] is the model output's per-layer count of routed copies.
+    Updates the RouterBias variables in place (outside any gradient).
+    """
+    routers = [layer.mlp.router for layer in model.layers if isinstance(layer.mlp, MoE)]
+    if len(routers) != expert_load.shape[0]:
+        raise ValueError(f"expert_load has {expert_load.shape[0]} rows, the model has {len(routers)} MoE layers")
+    load = expert_load.astype(jnp.float32)
+    step = rate * jnp.sign(load.mean(axis=-1, keepdims=True) - load)
+    for router, delta in zip(routers, step):
+        bias = router.e_score_correction_bias
+        bias.set_value(bias[...] + delta)

@@ -1,0 +1,121 @@
+"""Train-step time of configs/small.py across meshes on 8 fake CPU devices, and the share
+of it spent in the MoE dispatch.
+
+    python benchmarks/sharding_bench.py --out results/sharding_bench.json
+
+The 8 devices share this machine's cores, so absolute times say little; the ratios
+between meshes show the cost of each layout's collectives. The MoE share is the time of
+the expert layers alone (routing, exchange, grouped matmuls, forward + backward) over the
+whole step's, both under the same mesh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from flax import nnx  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import glmjax  # noqa: E402
+from glmjax import presets, sharding  # noqa: E402
+from glmjax.layers.moe import MoE  # noqa: E402
+
+MESHES = {
+    "data8": dict(data=8),
+    "fsdp8": dict(fsdp=8),
+    "expert8": dict(expert=8),
+    "data2-expert2-tensor2": dict(data=2, expert=2, tensor=2),
+    "fsdp4-expert2": dict(fsdp=4, expert=2),
+    "sequence4-tensor2": dict(sequence=4, tensor=2),
+    "tensor8": dict(tensor=8),
+}
+
+
+def median_time(fn, repeats):
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_mesh(config, mesh_sizes, batch, seq, repeats):
+    mesh = glmjax.make_mesh(**mesh_sizes)
+    with sharding.use_mesh(mesh):
+        model = sharding.init_sharded(config, mesh)
+        graphdef, state = nnx.split(model)
+        params = nnx.state(model, nnx.Param)
+        ids = jax.device_put(jax.random.randint(jax.random.key(0), (batch, seq), 0, config.vocab_size),
+                             jax.sharding.NamedSharding(mesh, sharding.logical_spec(("batch", "length"),
+                                                                                    (batch, seq), mesh=mesh)))
+
+        @jax.jit
+        def step(p, ids):
+            def loss(p):
+                logits = nnx.merge(graphdef, nnx.merge_state(state, p))(ids).logits
+                return optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], ids[:, 1:]).mean()
+
+            return jax.value_and_grad(loss)(p)
+
+        moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
+        moe_defs = [nnx.split(m) for m in moes]
+        x = jax.device_put(jax.random.normal(jax.random.key(1), (batch, seq, config.hidden_size)),
+                           jax.sharding.NamedSharding(mesh, sharding.logical_spec(
+                               ("batch", "length", "act_embed"), (batch, seq, config.hidden_size), mesh=mesh)))
+
+        @jax.jit
+        def moe_only(states, x):
+            def f(states):
+                return sum(jnp.sum(nnx.merge(g, s)(x)[0]) for (g, _), s in zip(moe_defs, states))
+
+            return jax.grad(f)(states)
+
+        moe_states = [s for _, s in moe_defs]
+        t_step = median_time(lambda: step(params, ids), repeats)
+        t_moe = median_time(lambda: moe_only(moe_states, x), repeats)
+    return {"step_s": t_step, "moe_s": t_moe, "moe_share": t_moe / t_step}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args(argv)
+    config = presets.model_config_from(presets.load_config(str(REPO / "configs" / "small.py"))).replace(
+        num_nextn_predict_layers=0)
+    results = {"config": "configs/small.py", "batch": args.batch, "seq": args.seq, "devices": len(jax.devices()),
+               "meshes": {}}
+    for name, sizes in MESHES.items():
+        r = bench_mesh(config, sizes, args.batch, args.seq, args.repeats)
+        results["meshes"][name] = r
+        print(f"{name:24s} step {r['step_s'] * 1e3:8.1f} ms   MoE {r['moe_s'] * 1e3:8.1f} ms "
+              f"({100 * r['moe_share']:.0f}%)", flush=True)
+    base = results["meshes"]["data8"]["step_s"]
+    for r in results["meshes"].values():
+        r["relative_step_time"] = r["step_s"] / base
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
