@@ -1,0 +1,210 @@
+"""The learner: policy updates (SAO by default) and the value model that gives SAO its baseline.
+
+One `Learner.step(batch)` (SAO, arXiv 2607.07508):
+  1. values V(s_t) from the critic, a snapshot before any update;
+  2. advantages (GAE, lambda_policy = 1 - 1/(alpha l)) and returns (lambda_critic = 1);
+  3. K critic steps of masked MSE on those fixed returns;
+  4. one actor step of the strict-band importance-sampling loss against the rollout
+     log-probs, unless the critic is still warming up (the first `critic_warmup` steps);
+     a batch whose loss or gradients are not finite is skipped and reported.
+The ablation objectives (GRPO, DAPO, GSPO, PPO) replace steps 2 and 4.
+
+The value model is the glmjax model with a scalar head on its last hidden state and
+parameters of its own; with `freeze_critic_attention` only its MLP / MoE, norms,
+embeddings and head train.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from glmjax.model import GlmForCausalLM
+from rl import sao
+
+ALGORITHMS = ("sao", "grpo", "dapo", "gspo", "ppo")
+_POLICY_PARAMS = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("indexer")), nnx.Not(nnx.PathContains("mtp")))
+
+
+class ValueModel(nnx.Module):
+    """V(s_t) for every position: a scalar head on the backbone's normed last hidden state."""
+
+    def __init__(self, backbone: GlmForCausalLM):
+        self.backbone = backbone
+        self.head = nnx.Param(jnp.zeros((backbone.config.hidden_size,), jnp.float32), logical_axes=("embed",))
+        self.bias = nnx.Param(jnp.zeros((), jnp.float32), logical_axes=())
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        """tokens [B, T] -> values [B, T]: values[t] estimates the return before token t is
+        generated (read at position t - 1); values[0] is 0."""
+        h = self.backbone.norm(self.backbone(tokens).hidden).astype(jnp.float32)
+        v = jnp.einsum("BTD,D->BT", h, self.head[...]) + self.bias[...]
+        return jnp.pad(v[:, :-1], ((0, 0), (1, 0)))
+
+
+def token_logprobs(model: GlmForCausalLM, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """log p(tokens[t] | tokens[:t]) and the entropy of that distribution, [B, T]; 0 at t = 0."""
+    logits = model(tokens).logits[:, :-1]
+    logp_all = jax.nn.log_softmax(logits, axis=-1)
+    logp = jnp.take_along_axis(logp_all, tokens[:, 1:, None], axis=-1)[..., 0]
+    entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    pad = lambda x: jnp.pad(x, ((0, 0), (1, 0)))  # noqa: E731
+    return pad(logp), pad(entropy)
+
+
+def _optimizer(model, lr: float, clip: float, wrt) -> nnx.Optimizer:
+    tx = optax.chain(optax.clip_by_global_norm(clip), optax.adam(lr, b2=0.99))
+    return nnx.Optimizer(model, tx, wrt=wrt)
+
+
+def _policy_objective(policy, batch: sao.Batch, advantages, weights, cfg):
+    logp, entropy = token_logprobs(policy, batch.tokens)
+    mask = batch.action_mask
+    algorithm = cfg["algorithm"]
+    if algorithm == "sao":
+        loss, aux = sao.sao_policy_loss(logp, batch.logp_rollout, advantages, mask, cfg["eps_low"], cfg["eps_high"],
+                                        token_weights=weights)
+    elif algorithm == "grpo":
+        loss, aux = sao.grpo_loss(logp, batch.logp_rollout, advantages, mask, eps=cfg["eps_low"])
+    elif algorithm == "dapo":
+        loss, aux = sao.dapo_loss(logp, batch.logp_rollout, advantages, mask, eps_low=cfg["eps_low"],
+                                  eps_high=cfg["eps_high"])
+    elif algorithm == "gspo":
+        loss, aux = sao.gspo_loss(logp, batch.logp_rollout, advantages, mask)
+    else:  # ppo: the clipped surrogate; its clipped value loss trains the critic
+        loss, aux = sao.dapo_loss(logp, batch.logp_rollout, advantages, mask, eps_low=cfg["eps_low"],
+                                  eps_high=cfg["eps_low"])
+    m = mask.astype(jnp.float32)
+    aux = dict(aux, entropy=jnp.sum(entropy * m) / jnp.maximum(m.sum(), 1.0), policy_loss=loss)
+    return loss, aux
+
+
+@functools.partial(nnx.jit, static_argnames=("cfg_items",))
+def _actor_grads(policy, batch, advantages, weights, cfg_items):
+    cfg = dict(cfg_items)
+    (loss, aux), grads = nnx.value_and_grad(
+        lambda m: _policy_objective(m, batch, advantages, weights, cfg), argnums=nnx.DiffState(0, _POLICY_PARAMS),
+        has_aux=True)(policy)
+    finite = jnp.isfinite(loss) & jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+    return grads, dict(aux, grad_norm=optax.tree.norm(grads), finite=finite)
+
+
+@nnx.jit
+def _apply(model, optimizer, grads):
+    optimizer.update(model, grads)
+
+
+@nnx.jit
+def _values(critic, tokens):
+    return critic(tokens)
+
+
+@functools.partial(nnx.jit, static_argnames=("clipped",))
+def _critic_step(critic, optimizer, batch, returns, weights, clipped):
+    def loss_fn(c):
+        values = c(batch.tokens)
+        if clipped:
+            loss = sao.ppo_value_loss(values, batch.values, returns, batch.action_mask)
+            return loss, {"value_loss": loss}
+        loss, aux = sao.value_loss(values, returns, batch.action_mask, token_weights=weights)
+        return loss, dict(aux, value_loss=loss)
+
+    (_, aux), grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, optimizer.wrt), has_aux=True)(critic)
+    optimizer.update(critic, grads)
+    return aux
+
+
+class Learner:
+    """Owns the actor's and the critic's optimizers; `step` is one SAO (or ablation) update.
+
+    cfg (the config's `rl` dict): algorithm, eps_low, eps_high, alpha, gamma, actor_lr,
+    critic_lr, critic_steps (K), critic_warmup, freeze_critic_attention, grad_clip.
+    """
+
+    def __init__(self, policy: GlmForCausalLM, critic: ValueModel | None, cfg: Mapping[str, Any]):
+        if cfg["algorithm"] not in ALGORITHMS:
+            raise ValueError(f"rl.algorithm={cfg['algorithm']!r} is invalid: expected one of {ALGORITHMS}")
+        needs_critic = cfg["algorithm"] in ("sao", "ppo")
+        if needs_critic and critic is None:
+            raise ValueError(f"rl.algorithm={cfg['algorithm']!r} needs a value model")
+        self.cfg = dict(cfg)
+        self.policy, self.critic = policy, critic if needs_critic else None
+        clip = cfg.get("grad_clip", 1.0)
+        self.actor_opt = _optimizer(policy, cfg["actor_lr"], clip, _POLICY_PARAMS)
+        self.critic_opt = None
+        if self.critic is not None:
+            wrt = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("indexer")))
+            if cfg.get("freeze_critic_attention", False):
+                wrt = nnx.All(wrt, nnx.Not(nnx.PathContains("attn")))
+            self.critic_opt = _optimizer(self.critic, cfg["critic_lr"], clip, wrt)
+        self.steps = 0
+        self.skipped = 0
+        self._loss_keys = tuple(sorted((k, v) for k, v in self.cfg.items() if k in ("algorithm", "eps_low",
+                                                                                    "eps_high")))
+
+    def advantages(self, batch: sao.Batch, group_ids=None):
+        """(advantages, returns, batch with the critic's values) for the configured algorithm."""
+        cfg = self.cfg
+        if self.critic is not None:
+            batch = batch._replace(values=_values(self.critic, batch.tokens))
+        if cfg["algorithm"] in ("sao", "ppo"):
+            adv, returns = sao.sao_advantages(batch, alpha=cfg["alpha"], gamma=cfg.get("gamma", 1.0))
+        else:
+            if group_ids is None:
+                raise ValueError(f"rl.algorithm={cfg['algorithm']!r} needs group_ids (G rollouts per prompt)")
+            adv, returns = sao.grpo_advantages(batch.rewards, group_ids, batch.action_mask), None
+        return adv, returns, batch
+
+    def critic_update(self, batch: sao.Batch, returns) -> dict:
+        weights = sao.rollout_token_weights(batch.action_mask, batch.rollout_id)
+        aux = {}
+        for _ in range(self.cfg.get("critic_steps", 2)):
+            aux = _critic_step(self.critic, self.critic_opt, batch, returns, weights,
+                               clipped=self.cfg["algorithm"] == "ppo")
+        return aux
+
+    def step(self, batch: sao.Batch, group_ids=None) -> dict:
+        """One update; returns host-side metrics (floats). A batch with non-finite rewards
+        or rollout log-probs, or whose gradients are not finite, changes nothing."""
+        mask = np.asarray(batch.action_mask) > 0
+        if not (np.isfinite(np.asarray(batch.rewards)).all() and np.isfinite(np.asarray(batch.logp_rollout)[mask]).all()):
+            self.skipped += 1
+            return {"skipped_nonfinite": 1.0}
+        adv, returns, batch = self.advantages(batch, group_ids)
+        metrics = {}
+        if self.critic is not None:
+            metrics.update(self.critic_update(batch, returns))
+        warming = self.critic is not None and self.steps < self.cfg.get("critic_warmup", 0)
+        if not warming:
+            weights = sao.rollout_token_weights(batch.action_mask, batch.rollout_id)
+            grads, aux = _actor_grads(self.policy, batch, adv, weights, self._loss_keys)
+            if bool(aux.pop("finite")):
+                _apply(self.policy, self.actor_opt, grads)
+            else:
+                self.skipped += 1
+                metrics["skipped_nonfinite"] = 1.0
+            metrics.update(aux)
+        self.steps += 1
+        metrics["critic_warmup"] = float(warming)
+        metrics["advantage_mean"] = jnp.sum(adv * batch.action_mask) / jnp.maximum(batch.action_mask.sum(), 1)
+        return {k: float(np.asarray(v)) for k, v in metrics.items()}
+
+
+def pretrain_value(critic: ValueModel, batches, steps: int, lr: float = 1e-4) -> list[float]:
+    """Value pretraining for the cold start: regress V on Monte-Carlo returns (the outcome
+    reward, gamma 1) of rollouts from the initial policy. `batches` yields sao.Batch."""
+    opt = _optimizer(critic, lr, 1.0, nnx.All(nnx.Param, nnx.Not(nnx.PathContains("indexer"))))
+    losses = []
+    for _, batch in zip(range(steps), batches):
+        returns = sao.place_rewards(batch.rewards, batch.action_mask, batch.rollout_id, batch.segment_index)
+        returns = jnp.flip(jnp.cumsum(jnp.flip(returns, 1), 1), 1)
+        weights = sao.rollout_token_weights(batch.action_mask, batch.rollout_id)
+        losses.append(float(_critic_step(critic, opt, batch, returns, weights, clipped=False)["value_loss"]))
+    return losses
