@@ -2,6 +2,7 @@
 
     pip install -e .            # library + `glmjax-train`
     pip install -e '.[test]'    # + pytest and the Hugging Face reference (CPU torch)
+    pip install -e '.[serve]'   # + `glmjax-serve`, JetStream's gRPC protocol (grpcio, protobuf)
     pip install -e '.[gpu]'     # or '.[tpu]': JAX for the accelerator
 """
 
@@ -38,5 +39,5 @@ setup(
         "gpu": [f"jax[cuda12]=={JAX_VERSION}"],
         "tpu": [f"jax[tpu]=={JAX_VERSION}"],
     },
-    entry_points={"console_scripts": ["glmjax-train=glmjax.cli:train_main"]},
+    entry_points={"console_scripts": ["glmjax-train=rl.cli:main", "glmjax-serve=rl.serve:main", "glmjax-envs=envs.cli:main"]},
 )

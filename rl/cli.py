@@ -1,0 +1,39 @@
+"""`glmjax-train`: the main job for a config file.
+
+    glmjax-train --config configs/sao_tiny.py --workdir /tmp/sao       # SAO post-training
+    glmjax-train --config configs/tiny.py --workdir /tmp/lm            # language-model training
+    glmjax-train --config configs/sao_tiny.py --workdir /tmp/sao --config.rl.eta=2
+
+A config with an `rl` section runs the RL loop (rl/trainer.py); one with only `model` and
+`train` trains the language model (glmjax/cli.py). `--config.a.b=value` overrides a field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from glmjax import cli as lm_cli
+from glmjax import presets
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="glmjax-train", description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--config", required=True, help="a config file, optionally `path:arg` for get_config(arg)")
+    parser.add_argument("--workdir", required=True)
+    args, overrides = parser.parse_known_args(argv)
+    bad = [o for o in overrides if not (o.startswith("--config.") and "=" in o)]
+    if bad:
+        parser.error(f"unrecognised arguments {bad}: overrides are written --config.a.b=value")
+    path, _, arg = args.config.partition(":")
+    cfg = presets.load_config(path, overrides, arg or None)
+    if "rl" not in cfg:
+        return lm_cli.train_main(argv)
+    logging.basicConfig(level=logging.WARNING)
+    from rl import trainer
+
+    return trainer.run(cfg, args.workdir)
+
+
+if __name__ == "__main__":
+    main()

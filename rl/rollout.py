@@ -1,0 +1,109 @@
+"""Rollouts: trajectories from the engine, staleness-aware admission, and learner batches.
+
+Admission control (AReaL, arXiv 2505.24298) decides how many new rollouts may start, so
+that no accepted sample is more than `eta` policy versions behind without discarding
+work (discard-and-requeue biases training toward short rollouts):
+
+    capacity = min(max_concurrent - running, (eta + version + 1) * B - (accepted + running))
+
+eta = 0 is synchronous RL: B rollouts per version, all from that version. A finished
+sample whose oldest token is more than `tau` versions behind the current policy is still
+dropped (GLM-5), as is one whose environment crashed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from rl import sao
+
+
+@dataclasses.dataclass
+class Trajectory:
+    """One segment of a rollout: its tokens and what the learner needs of each."""
+
+    prompt: list[int]
+    completion: list[int]
+    log_probs: list[float]  # behaviour-policy log-prob of each completion token
+    versions: list[int]  # weight version that produced each completion token
+    reward: float
+    rollout_id: int
+    segment_index: int = 0
+    task_id: str = ""
+    difficulty: float = 0.0
+    finish_reason: str = "stop"
+    observation_mask: list[int] | None = None  # 1 on completion tokens that are tool output, not actions
+
+    @property
+    def length(self) -> int:
+        return len(self.prompt) + len(self.completion)
+
+    def staleness(self, version: int) -> int:
+        return version - min(self.versions) if self.versions else 0
+
+
+class Admission:
+    """The staleness budget of asynchronous generation (formula in the module docstring)."""
+
+    def __init__(self, batch_size: int, eta: int, max_concurrent: int):
+        if eta < 0:
+            raise ValueError(f"rl.eta={eta} is invalid: expected >= 0 (0 = synchronous)")
+        self.batch_size, self.eta, self.max_concurrent = batch_size, eta, max_concurrent
+        self.accepted = 0  # finished rollouts kept for training (whether trained on yet or not)
+        self.running = 0
+
+    def capacity(self, version: int) -> int:
+        by_staleness = (self.eta + version + 1) * self.batch_size - (self.accepted + self.running)
+        return max(0, min(self.max_concurrent - self.running, by_staleness))
+
+    def started(self, n: int = 1) -> None:
+        self.running += n
+
+    def finished(self, accepted: bool) -> None:
+        self.running -= 1
+        self.accepted += int(accepted)
+
+    def state_dict(self) -> dict:
+        return {"accepted": self.accepted}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.accepted, self.running = int(state["accepted"]), 0
+
+
+def to_batch(trajectories: Sequence[Trajectory], length: int | None = None, pad_id: int = 0) -> sao.Batch:
+    """Right-padded learner arrays [B, T]; T is the longest row (or `length`)."""
+    t = length or max(tr.length for tr in trajectories)
+    b = len(trajectories)
+    tokens = np.full((b, t), pad_id, np.int32)
+    mask = np.zeros((b, t), np.float32)
+    logp = np.zeros((b, t), np.float32)
+    versions = np.zeros((b, t), np.int32)
+    for i, tr in enumerate(trajectories):
+        if tr.length > t:
+            raise ValueError(f"trajectory {tr.task_id or i} has {tr.length} tokens, more than the batch length {t}")
+        p, n = len(tr.prompt), len(tr.completion)
+        tokens[i, :p + n] = tr.prompt + tr.completion
+        action = np.ones(n, np.float32)
+        if tr.observation_mask is not None:
+            action -= np.asarray(tr.observation_mask, np.float32)
+        mask[i, p:p + n] = action
+        logp[i, p:p + n] = tr.log_probs
+        versions[i, p:p + n] = tr.versions
+    return sao.Batch(
+        tokens=jnp.asarray(tokens), action_mask=jnp.asarray(mask), logp_rollout=jnp.asarray(logp),
+        versions=jnp.asarray(versions), rewards=jnp.asarray([tr.reward for tr in trajectories], jnp.float32),
+        values=jnp.zeros((b, t), jnp.float32), rollout_id=jnp.asarray([tr.rollout_id for tr in trajectories]),
+        segment_index=jnp.asarray([tr.segment_index for tr in trajectories], jnp.int32))
+
+
+def encode(text: str) -> list[int]:
+    """Byte-level tokens (the tiny models' vocabulary is the 256 byte values)."""
+    return list(text.encode("utf-8"))
+
+
+def decode(tokens: Sequence[int]) -> str:
+    return bytes(int(t) for t in tokens if 0 <= int(t) < 256).decode("utf-8", errors="replace")
