@@ -8,6 +8,12 @@ latent space until `W_UV`. A selected key set (DSA's top-k) is applied by gather
 P latent rows per query, never by masking a dense T x S matrix, and queries are processed
 in blocks so memory is O(block * S) rather than O(T * S).
 
+Costs follow the attention pattern: a query block walks the key blocks only up to its
+last visible key (causal prefill does half the square; a decode step reads only the
+filled part of its cache). The walk has a static length and skips blocks with
+`lax.cond`, so reverse mode goes through it; query blocks are rematerialised in the
+backward pass, so training memory stays O(block * S) too.
+
 Legend: B batch, T queries, S keys, H heads, C kv latent, R rope dim, P selected keys,
 G indexer heads, I indexer head dim, E expanded query/key width (nope + rope), V value dim.
 """
@@ -20,14 +26,16 @@ import jax.numpy as jnp
 NEG_INF = float("-inf")
 _NEG = -1e30  # finite "minus infinity" of the online softmax: _NEG - _NEG is 0, not nan
 QUERY_BLOCK = 256
-KEY_BLOCK = 1024
-SPARSE_QUERY_BLOCK = 16  # gathered rows of a block stay in cache: [16, P, C + R]
+KEY_BLOCK = 1024  # keys per step for full query blocks; small (decode) blocks take more
+SCORE_TILE = 1 << 18  # score entries per step when the key block is chosen automatically
+SPARSE_QUERY_BLOCK = 16  # the gathered rows of a block, [16, P, C + R], stay in cache
 
 
 def map_query_blocks(fn, block: int, *args):
     """Applies fn to blocks of `block` queries along axis 1 of every arg, with lax.map.
 
-    Bounds the live memory of fn's intermediates to one block; T need not divide block.
+    Bounds the live memory of fn's intermediates to one block, in the backward pass as
+    well (each block is recomputed there); T need not divide block.
     """
     t = args[0].shape[1]
     if t <= block:
@@ -39,7 +47,7 @@ def map_query_blocks(fn, block: int, *args):
         a = jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
         return jnp.moveaxis(a.reshape(a.shape[0], n, block, *a.shape[2:]), 1, 0)
 
-    out = jax.lax.map(lambda xs: fn(*xs), tuple(split(a) for a in args))
+    out = jax.lax.map(jax.checkpoint(lambda xs: fn(*xs)), tuple(split(a) for a in args))
 
     def merge(o):
         o = jnp.moveaxis(o, 0, 1)
@@ -57,18 +65,36 @@ def _softmax_rows(scores: jax.Array, valid: jax.Array) -> jax.Array:
     return e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)
 
 
+def _key_block_size(key_block: int | None, rows: int, num_keys: int) -> int:
+    size = key_block or max(KEY_BLOCK, SCORE_TILE // max(rows, 1))
+    return min(size, num_keys)
+
+
+def _walk_keys(step, carry, pos, num_keys: int, size: int):
+    """carry = step(j, start, fresh, carry) for the key blocks j that hold a key visible
+    at some position in pos. Block j covers keys [start, start + size); the last block is
+    shifted back to end at num_keys, and `fresh` [size] marks its keys not seen before."""
+    visible_blocks = jnp.minimum(jnp.max(pos), num_keys - 1) // size + 1
+
+    def body(j, carry):
+        start = jnp.minimum(j * size, num_keys - size)
+        fresh = start + jnp.arange(size) >= j * size
+        return jax.lax.cond(j < visible_blocks, lambda c: step(j, start, fresh, c), lambda c: c, carry)
+
+    return jax.lax.fori_loop(0, -(-num_keys // size), body, carry)
+
+
 def mla_attention(q_c, q_r, c_kv, k_r, q_pos, *, scale: float, block: int = QUERY_BLOCK,
-                  key_block: int = KEY_BLOCK):
+                  key_block: int | None = None):
     """Causal absorbed-MLA attention over every visible key.
 
     q_c [B, T, H, C], q_r [B, T, H, R], c_kv [B, S, C], k_r [B, S, R]; key s is at
     position s and visible to the query at q_pos [B, T] when s <= q_pos.
     Returns o_c [B, T, H, C] (fp32 softmax, output in q_c's dtype).
 
-    A query block walks the key blocks only up to its last visible key, with the online
-    softmax of FlashAttention, so causal prefill does half the work of the full square
-    and a decode step reads only the filled part of its cache. The (token, head) pairs are
-    the rows of one matmul against the shared latent key (M = T * H).
+    The online softmax of FlashAttention over key blocks (None: sized so that a step's
+    score tile has ~SCORE_TILE entries); the (token, head) pairs of a query block are the
+    rows of one matmul against the shared latent key.
     """
     num_keys = c_kv.shape[1]
 
@@ -76,12 +102,13 @@ def mla_attention(q_c, q_r, c_kv, k_r, q_pos, *, scale: float, block: int = QUER
         b, t, h, _ = qc.shape
         rows = lambda x: x.reshape(b, t * h, x.shape[-1])  # noqa: E731  [B, M, .], row m = t * H + h
         row_pos = jnp.repeat(pos, h, axis=1)[:, :, None]  # [B, M, 1]
+        size = _key_block_size(key_block, t * h, num_keys)
 
-        def step(j, carry):
+        def step(j, start, fresh, carry):
             acc, peak, total = carry
-            (c_j, r_j), keys = _key_block(j, key_block, c_kv, k_r)
+            c_j, r_j = (jax.lax.dynamic_slice_in_dim(x, start, size, 1) for x in (c_kv, k_r))
             scores = jnp.einsum("BMC,BSC->BMS", rows(qc), c_j) + jnp.einsum("BMR,BSR->BMS", rows(qr), r_j)
-            valid = keys & (jnp.arange(keys.shape[-1]) + _block_start(j, key_block, num_keys) <= row_pos)
+            valid = fresh & (start + jnp.arange(size) <= row_pos)
             scores = jnp.where(valid, scores.astype(jnp.float32) * scale, _NEG)
             new_peak = jnp.maximum(peak, scores.max(-1))
             p = jnp.where(valid, jnp.exp(scores - new_peak[..., None]), 0.0)
@@ -90,31 +117,10 @@ def mla_attention(q_c, q_r, c_kv, k_r, q_pos, *, scale: float, block: int = QUER
             return acc, new_peak, total * fix + p.sum(-1)
 
         init = (jnp.zeros((b, t * h, c_kv.shape[-1]), jnp.float32), jnp.full((b, t * h), _NEG), jnp.zeros((b, t * h)))
-        acc, _, total = jax.lax.fori_loop(0, _blocks_to(pos, key_block, num_keys), step, init)
+        acc, _, total = _walk_keys(step, init, pos, num_keys, size)
         return (acc / jnp.maximum(total, 1e-30)[..., None]).reshape(qc.shape).astype(qc.dtype)
 
     return map_query_blocks(attend, block, q_c, q_r, q_pos)
-
-
-def _block_start(j, key_block: int, num_keys: int):
-    """Start of key block j; the last block is shifted back to end at num_keys (it then
-    overlaps its predecessor, whose keys `_key_block` marks as already seen)."""
-    size = min(key_block, num_keys)
-    return jnp.minimum(j * key_block, num_keys - size)
-
-
-def _key_block(j, key_block: int, *xs):
-    """Key block j of each x [B, S, ...] and a [key_block] mask of the keys new to it."""
-    num_keys = xs[0].shape[1]
-    start = _block_start(j, key_block, num_keys)
-    size = min(key_block, num_keys)
-    blocks = tuple(jax.lax.dynamic_slice_in_dim(x, start, size, 1) for x in xs)
-    return blocks, start + jnp.arange(size) >= j * key_block
-
-
-def _blocks_to(pos, key_block: int, num_keys: int):
-    """Number of key blocks that hold a key visible to some query at pos."""
-    return jnp.minimum(jnp.max(pos), num_keys - 1) // key_block + 1
 
 
 def gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
@@ -141,34 +147,32 @@ def sparse_mla_attention(q_c, q_r, c_kv, k_r, q_pos, topk_idx, *, scale: float,
     return map_query_blocks(attend, block, q_c, q_r, q_pos, topk_idx)
 
 
-def indexer_scores(q, w, k, q_pos, *, block: int = QUERY_BLOCK, key_block: int = KEY_BLOCK):
+def indexer_scores(q, w, k, q_pos, *, block: int = QUERY_BLOCK, key_block: int | None = None):
     """Lightning-indexer scores (DeepSeek-V3.2, DSA):
 
         I[t, s] = sum_g w[t, g] * relu(q[t, g] . k[s] * I^-0.5),   -inf where s > q_pos[t]
 
     q [B, T, G, I], w [B, T, G] (already times G^-0.5), k [B, S, I]. Returns [B, T, S] fp32.
-    One [block, G, key_block] product exists at a time, and a query block scores only the
-    key blocks up to its last visible key (the rest stay -inf).
+    A query block accumulates one head at a time into its [block, key_block] score tile,
+    so the [T, S, G] product never exists; key blocks past its last visible key stay -inf.
     """
     k = k.astype(jnp.float32)
-    score = lambda qb, wb, pos: _score_block(qb, wb, pos, k, key_block)  # noqa: E731
-    return map_query_blocks(score, block, q, w, q_pos)
+    return map_query_blocks(lambda qb, wb, pos: _score_block(qb, wb, pos, k, key_block), block, q, w, q_pos)
 
 
-def _score_block(q, w, pos, k, key_block: int):
+def _score_block(q, w, pos, k, key_block: int | None):
     """indexer_scores of one query block q [B, t, G, I] against all keys k [B, S, I]."""
     num_keys, scale = k.shape[1], q.shape[-1] ** -0.5
     q, w = q.astype(jnp.float32), w.astype(jnp.float32)
+    size = _key_block_size(key_block, q.shape[1], num_keys)
 
-    def step(j, out):
-        (k_j,), _ = _key_block(j, key_block, k)  # an overlapping last block rewrites equal scores
-        # One matmul per head, accumulated straight into the [t, S_blk] tile.
+    def step(j, start, fresh, out):  # an overlapping last block rewrites equal scores
+        k_j = jax.lax.dynamic_slice_in_dim(k, start, size, 1)
         s = sum(w[:, :, g, None] * jax.nn.relu(jnp.einsum("BTI,BSI->BTS", q[:, :, g], k_j) * scale)
                 for g in range(q.shape[2]))
-        return jax.lax.dynamic_update_slice_in_dim(out, s, _block_start(j, key_block, num_keys), 2)
+        return jax.lax.dynamic_update_slice_in_dim(out, s, start, 2)
 
-    out = jnp.zeros(q.shape[:2] + (num_keys,), jnp.float32)
-    out = jax.lax.fori_loop(0, _blocks_to(pos, key_block, num_keys), step, out)
+    out = _walk_keys(step, jnp.zeros(q.shape[:2] + (num_keys,), jnp.float32), pos, num_keys, size)
     visible = jnp.arange(num_keys)[None, None, :] <= pos[:, :, None]
     return jnp.where(visible, out, NEG_INF)
 
@@ -185,7 +189,7 @@ def indexer_topk(q, w, k, q_pos, *, topk: int, block: int = QUERY_BLOCK):
     k = k.astype(jnp.float32)
 
     def one_block(qb, wb, pos):
-        return select_topk(_score_block(qb, wb, pos, k, KEY_BLOCK), topk)
+        return select_topk(_score_block(qb, wb, pos, k, None), topk)
 
     return map_query_blocks(one_block, block, q, w, q_pos)
 
