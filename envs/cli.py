@@ -1,0 +1,170 @@
+"""glmjax-envs: validate, run, export, generate and evaluate environments.
+
+    glmjax-envs info                                  # which sandbox isolation is active here
+    glmjax-envs validate TASKS_DIR... [--out REPORTS] # the three checks; exit 0 only if all pass
+    glmjax-envs export terminal OUT --n 10 --seed 0   # generated tasks as Harbor directories
+    glmjax-envs generate OUT --family terminal=16 --family arithmetic=10
+    glmjax-envs run TASK_DIR --model oracle           # one episode; prints the transcript
+    glmjax-envs eval --model openai:http://127.0.0.1:8000/v1#glm --n-tasks 5 --samples 4 --k 1,4
+
+Models (``--model``, ``--author``, ``--verifier``, ``--judge``): ``openai:URL#name`` (an
+OpenAI-compatible completions endpoint), ``oracle`` (the tasks' reference solutions),
+``noop`` (submits at once), ``engine:...`` (the glmjax engine, once its adapter exists).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from envs import evaluate, families, harbor, models, sandbox, validate
+from envs.generate import generate
+from envs.shell import ShellEnv
+
+
+def _info(args) -> int:
+    print(json.dumps(sandbox.probe().__dict__ | {"describe": sandbox.probe().describe()}, indent=1))
+    return 0
+
+
+def _validate(args) -> int:
+    paths = harbor.find_tasks(args.dirs)
+    if not paths:
+        print(f"no task directories (task.toml or task.yaml) under {args.dirs}", file=sys.stderr)
+        return 2
+    tasks, reports = [], []
+    for path in paths:
+        try:
+            tasks.append(harbor.load_task(path))
+        except (OSError, ValueError) as err:
+            reports.append(validate.TaskReport(os.path.basename(path), "error", [], 0.0, path, f"cannot load: {err}"))
+    reports += validate.validate_all(tasks, workers=args.workers, cuts=args.cuts, network=args.network)
+    for report in reports:
+        data = report.to_dict()
+        print(json.dumps(data))
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, f"{report.task_id}.json"), "w") as f:
+                json.dump(data, f, indent=1)
+    passed = sum(r.passed for r in reports)
+    for report in reports:
+        failed = ", ".join(c.name for c in report.checks if not c.passed) or report.reason or ""
+        print(f"{report.status:<12} {report.task_id:<40} {failed}", file=sys.stderr)
+    print(f"{passed}/{len(reports)} tasks pass all three checks", file=sys.stderr)
+    return 0 if passed == len(reports) else 1
+
+
+def _export(args) -> int:
+    if args.family not in families.SANDBOX:
+        print(f"only sandboxed families export to Harbor: {sorted(families.SANDBOX)}", file=sys.stderr)
+        return 2
+    for task in families.make_tasks(args.family, args.n, seed=args.seed, difficulty=args.difficulty):
+        print(harbor.export_task(task, args.out))
+    return 0
+
+
+def _generate(args) -> int:
+    counts = {}
+    for item in args.family or ["terminal=8"]:
+        name, _, n = item.partition("=")
+        if name not in families.names():
+            print(f"unknown family {name!r}; known: {families.names()}", file=sys.stderr)
+            return 2
+        counts[name] = int(n or 1)
+    client = lambda spec: models.client_from_spec(spec) if spec else None  # noqa: E731
+    registry = generate(args.out, families_n=counts, seed=args.seed, author=client(args.author),
+                        verifier=client(args.verifier), judge_client=client(args.judge), workers=args.workers)
+    print(json.dumps(registry.counts(), indent=1))
+    return 0 if registry.accepted else 1
+
+
+def _run(args) -> int:
+    task = harbor.load_task(args.task)
+    client = models.client_from_spec(args.model, tasks=[task])
+    env = ShellEnv(max_turns=args.max_turns)
+    try:
+        env.reset(task)
+        done = False
+        while not done:
+            _, reward, done, _ = env.step(client.complete(env.transcript.render(), max_tokens=args.max_tokens))
+        print(env.transcript.to_json())
+    finally:
+        env.close()
+    return 0 if reward >= 1.0 else 1
+
+
+def _eval(args) -> int:
+    categories = args.categories.split(",")
+    unknown = set(categories) - set(evaluate.CATEGORIES)
+    if unknown:
+        print(f"unknown categories {sorted(unknown)}; known: {sorted(evaluate.CATEGORIES)}", file=sys.stderr)
+        return 2
+    tasks = {c: evaluate.heldout(c, args.n_tasks, args.seed) for c in categories}
+    client = models.client_from_spec(args.model, tasks=[t for ts in tasks.values() for t in ts])
+    report = evaluate.evaluate(client, categories=categories, tasks=tasks, samples=args.samples,
+                               ks=[int(k) for k in args.k.split(",")], seed=args.seed, model=args.model,
+                               temperature=args.temperature, max_turns=args.max_turns)
+    print(evaluate.table(report), file=sys.stderr)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+    print(json.dumps(report))
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="glmjax-envs", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("info", help="the sandbox isolation active on this machine").set_defaults(fn=_info)
+    p = sub.add_parser("validate", help="the three checks on Harbor / Terminal-Bench task directories")
+    p.add_argument("dirs", nargs="+")
+    p.add_argument("--out", help="directory for one JSON report per task")
+    p.add_argument("--cuts", type=int, default=3, help="cut points through solve.sh")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--network", choices=["none", "host"], default="none")
+    p.set_defaults(fn=_validate)
+    p = sub.add_parser("export", help="generated tasks as Harbor task directories")
+    p.add_argument("family")
+    p.add_argument("out")
+    p.add_argument("--n", type=int, default=10)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--difficulty", type=int)
+    p.set_defaults(fn=_export)
+    p = sub.add_parser("generate", help="pattern -> env -> judge -> verifier -> checks -> registry")
+    p.add_argument("out")
+    p.add_argument("--family", action="append", help="NAME=COUNT (repeatable)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--author", help="model that writes solutions (default: the pattern's own)")
+    p.add_argument("--verifier", help="model that writes verifiers from the spec (default: the pattern's own)")
+    p.add_argument("--judge", help="model asked whether each task is solvable")
+    p.set_defaults(fn=_generate)
+    p = sub.add_parser("run", help="one episode of a task directory")
+    p.add_argument("task")
+    p.add_argument("--model", default="oracle")
+    p.add_argument("--max-turns", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.set_defaults(fn=_run)
+    p = sub.add_parser("eval", help="the evaluation matrix on held-out task sets")
+    p.add_argument("--model", default="oracle")
+    p.add_argument("--categories", default=",".join(evaluate.CATEGORIES))
+    p.add_argument("--n-tasks", type=int, default=4, help="held-out tasks per family")
+    p.add_argument("--samples", type=int, default=1)
+    p.add_argument("--k", default="1")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-turns", type=int, default=8)
+    p.add_argument("--out", help="where to write the JSON report")
+    p.set_defaults(fn=_eval)
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except (sandbox.SandboxError, models.ModelError, NotImplementedError, ValueError, FileNotFoundError) as err:
+        print(f"glmjax-envs {args.command}: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

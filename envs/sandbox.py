@@ -1,0 +1,386 @@
+"""Isolated command execution: a private directory, resource limits, no network.
+
+What is enforced, and how (``probe()`` says which of these this machine allows):
+
+- **Own user.** As root, each ``Sandbox`` claims a dedicated numeric uid (from
+  ``UID_BASE``, claimed with an ``flock`` so concurrent processes never share one) and
+  every command drops to it (``setgroups([])``, ``setgid``, ``setuid``) after
+  ``PR_SET_NO_NEW_PRIVS``. Because the uid is private to the sandbox, ``RLIMIT_NPROC``
+  (ignored for root, counted per uid) caps this sandbox's processes only: a fork bomb
+  stops at ``Limits.processes`` and cannot touch other tasks.
+- **Resource limits** (``setrlimit`` in the child): CPU seconds, address space
+  (``RLIMIT_AS``: a 10 GB allocation fails with ENOMEM), processes, file size (SIGXFSZ),
+  open files; no core files.
+- **Processes and wall clock.** Every command runs in its own session and, where the
+  kernel allows (``processes="pidns"``), as PID 1 of its own PID namespace: when it exits
+  the kernel kills and reaps everything it left behind, so no orphan or zombie outlives
+  it or counts against the next command's process limit, and ``/proc`` shows only the
+  sandbox's processes. At the deadline every process of the sandbox uid gets SIGKILL
+  (``kill -9 -1`` run as that uid: it also reaches processes that left the group with
+  ``setsid``); without a PID namespace (``"kill-sweep"``) the process group is killed
+  too and the same sweep runs after every command. Files persist between commands,
+  processes do not.
+- **Output cap.** stdout and stderr are read together; past ``Limits.output_bytes`` the
+  command is killed and the output kept so far is returned (``killed="output_limit"``).
+- **No network.** A new network namespace (``unshare(CLONE_NEWNET)``) whose only
+  interface is its own loopback: the host's listeners, even on 127.0.0.1, are
+  unreachable. Where the kernel refuses the namespace, ``Sandbox`` refuses to run unless
+  the caller passes ``network="host"`` explicitly.
+- **Filesystem** (``filesystem="chroot"``, the default where a mount namespace is
+  allowed): each command gets a new mount namespace and a chroot whose root is a
+  read-only tmpfs holding read-only, nosuid bind mounts of ``/usr /etc /opt /var`` (and
+  ``/bin /lib ...`` where they are directories), a minimal ``/dev`` (null, zero, full,
+  random, urandom, a private ``/dev/shm``), ``/proc`` with ``hidepid`` (a sandbox sees
+  only its own processes), and the sandbox's own directories at the paths tasks expect:
+  ``/app`` (the working directory), ``/logs`` (``/logs/verifier`` for the verifier),
+  ``/tmp``, and read-only ``/tests`` and ``/solution``. Nothing outside the sandbox
+  directory is writable or even visible besides the system directories.
+  ``filesystem="plain"`` (the fallback without mount namespaces): the same uid and
+  limits, ``cwd`` is the host directory, and writes are confined by permissions only:
+  the sandbox uid owns nothing outside its directory, but world-writable directories
+  (``/tmp``, ``/var/tmp``, ``/dev/shm``) stay writable and world-readable files
+  readable. Virtual paths (``/app`` ...) are then the host paths that ``path()``
+  returns, and scripts are rewritten with ``rewrite()``.
+- **Environment.** Commands see only ``PATH``, ``HOME=/tmp``, ``TMPDIR=/tmp``, a UTF-8
+  locale, ``PYTHONDONTWRITEBYTECODE=1``, ``PYTHONHASHSEED=0``, ``APP_DIR``, ``LOGS_DIR``,
+  ``TEST_DIR`` and what the caller passes.
+
+Not enforced: total memory of all processes together (``RLIMIT_AS`` is per process) and
+total disk use inside the sandbox directory (``RLIMIT_FSIZE`` caps each file). Without
+root there is no dedicated uid, so the process limit counts all of the user's processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import re
+import resource
+import selectors
+import shutil
+import signal
+import stat
+import subprocess
+import tempfile
+import time
+from typing import Mapping
+
+from envs.isolation import READ_ONLY_DIRS, VIRTUAL_DIRS, Isolation, Plan, claim_uid, kill_uid, probe
+
+__all__ = ["Isolation", "Limits", "RunResult", "Sandbox", "SandboxError", "VIRTUAL_DIRS", "probe"]
+_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+class SandboxError(RuntimeError):
+    """The sandbox cannot run commands with the isolation that was asked for."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Per-command limits. ``memory_bytes`` is address space per process."""
+
+    wall_seconds: float = 30.0
+    cpu_seconds: int = 30
+    memory_bytes: int = 2 << 30
+    processes: int = 64
+    file_bytes: int = 64 << 20
+    open_files: int = 256
+    output_bytes: int = 256 << 10
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            if getattr(self, field.name) <= 0:
+                raise ValueError(f"Limits.{field.name} must be > 0, got {getattr(self, field.name)!r}")
+
+    def replace(self, **changes) -> "Limits":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunResult:
+    """One command. ``killed``: None | "timeout" | "output_limit"; ``signal``: the signal
+    that ended the command (SIGXCPU/SIGKILL for CPU, SIGXFSZ for file size) or None."""
+
+    returncode: int
+    output: str
+    seconds: float
+    killed: str | None = None
+    truncated: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and self.killed is None
+
+    @property
+    def signal(self) -> str | None:
+        return signal.Signals(-self.returncode).name if self.returncode < 0 else None
+
+    def summary(self) -> str:
+        why = self.killed or self.signal or f"exit {self.returncode}"
+        return f"[{why}, {self.seconds:.2f}s{', output truncated' if self.truncated else ''}]"
+
+
+class Sandbox:
+    """A private directory tree in which commands run isolated (see the module docstring).
+
+    ``Sandbox(network="none", filesystem="auto")``: network "none" requires a network
+    namespace (``SandboxError`` where there is none), "host" allows the host network;
+    filesystem "auto" picks "chroot" where allowed, else "plain". The directory is made
+    under ``base_dir`` (default ``$GLMJAX_SANDBOX_DIR``, else the system temp dir) and
+    removed by ``close()`` (or leaving the ``with`` block) unless ``keep=True``.
+    ``isolation`` says what this sandbox actually has.
+    """
+
+    def __init__(self, *, limits: Limits = Limits(), network: str = "none", filesystem: str = "auto",
+                 base_dir: str | None = None, keep: bool = False):
+        if network not in ("none", "host"):
+            raise ValueError(f"network must be 'none' or 'host', got {network!r}")
+        if filesystem not in ("auto", "chroot", "plain"):
+            raise ValueError(f"filesystem must be 'auto', 'chroot' or 'plain', got {filesystem!r}")
+        avail = probe()
+        if network == "none" and avail.network != "netns":
+            raise SandboxError("no network namespace on this machine (" + "; ".join(avail.notes)
+                               + "); pass network='host' to run commands with the host's network")
+        if filesystem == "chroot" and avail.filesystem != "chroot":
+            raise SandboxError("mount namespaces are refused here; use filesystem='plain' or 'auto'")
+        self.filesystem = avail.filesystem if filesystem == "auto" else filesystem
+        self.limits, self.keep = limits, keep
+        self.isolation = Isolation("netns" if network == "none" else "host", self.filesystem, avail.user,
+                                   avail.processes)
+        self.uid, self._lock_fd = claim_uid() if avail.user == "dedicated-uid" else (None, None)
+        if self.uid is not None:
+            kill_uid(self.uid)  # leftovers of a crashed earlier holder
+        self.root = tempfile.mkdtemp(prefix="glmjax-sbx-", dir=base_dir or os.environ.get("GLMJAX_SANDBOX_DIR"))
+        os.chmod(self.root, 0o711)
+        os.mkdir(os.path.join(self.root, ".root"))
+        for virtual in VIRTUAL_DIRS:
+            self.reset_dir(virtual)
+        self.reset_dir("/logs/verifier")
+        self.reset_dir("/logs/agent")
+        self._closed = False
+
+    # ----- paths -----------------------------------------------------------------------
+    def host_path(self, virtual: str) -> str:
+        """Where a virtual path (``/app/x``, ``/logs/verifier``) lives on the host."""
+        for top in VIRTUAL_DIRS:
+            if virtual == top or virtual.startswith(top + "/"):
+                return os.path.join(self.root, virtual[1:])
+        raise ValueError(f"{virtual!r} is not under one of the sandbox directories {VIRTUAL_DIRS}")
+
+    def path(self, virtual: str) -> str:
+        """The path commands must use for ``virtual``: itself under chroot, else the host path."""
+        return virtual if self.filesystem == "chroot" else self.host_path(virtual)
+
+    def rewrite(self, script: str) -> str:
+        """``script`` with the virtual directories replaced by ``path()`` (identity under chroot)."""
+        if self.filesystem == "chroot":
+            return script
+        pattern = r"(?<![\w./-])(" + "|".join(map(re.escape, VIRTUAL_DIRS)) + r")(?=[/\s\"'`;:)|&<>]|$)"
+        return re.sub(pattern, lambda m: self.host_path(m.group(1)), script)
+
+    def _owner(self, virtual: str) -> int | None:
+        return None if virtual.startswith(READ_ONLY_DIRS) or virtual == "/logs" else self.uid
+
+    def _safe(self, virtual: str) -> str:
+        """The host path of ``virtual``, refusing one that a symlink leads out of the sandbox."""
+        host, top = self.host_path(virtual), os.path.realpath(self.root)
+        if not os.path.realpath(host).startswith(top + os.sep):
+            raise SandboxError(f"{virtual!r} resolves outside the sandbox")
+        return host
+
+    # ----- files (host side, as the caller) ----------------------------------------------
+    def reset_dir(self, virtual: str) -> None:
+        """Make ``virtual`` an empty directory (symlinks are removed, never followed).
+        Directories the sandbox writes are its uid's, mode 0700; the read-only ones are
+        root's with the sandbox's group, mode 0750: other sandboxes cannot look in either."""
+        host = self.host_path(virtual)
+        if os.path.lexists(host):
+            if os.path.isdir(host) and not os.path.islink(host):
+                shutil.rmtree(host)
+            else:
+                os.unlink(host)
+        os.makedirs(host, mode=0o755)
+        if self.uid is None:
+            return
+        if self._owner(virtual) is not None:
+            os.chown(host, self.uid, self.uid)
+            os.chmod(host, 0o700)
+        elif virtual in READ_ONLY_DIRS:
+            os.chown(host, 0, self.uid)
+            os.chmod(host, 0o750)
+
+    def write_file(self, virtual: str, data: str | bytes, mode: int | None = None) -> None:
+        host = self._safe(virtual)
+        parent = os.path.dirname(host)
+        os.makedirs(parent, exist_ok=True)
+        if os.path.lexists(host):
+            os.unlink(host)
+        data = data.encode() if isinstance(data, str) else data
+        with open(host, "wb") as f:
+            f.write(data)
+        os.chmod(host, mode if mode is not None else (0o755 if data.startswith(b"#!") else 0o644))
+        owner = self._owner(virtual)
+        if owner is not None:
+            top = self.host_path("/" + virtual.strip("/").split("/")[0])
+            for path in [host] + [d for d in _parents(parent, top)]:
+                os.lchown(path, owner, owner)
+
+    def read_bytes(self, virtual: str, limit: int = 1 << 20) -> bytes | None:
+        """A regular file's first ``limit`` bytes, or None when it is missing or not a regular file."""
+        try:
+            fd = os.open(self._safe(virtual), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except (OSError, SandboxError):
+            return None
+        with os.fdopen(fd, "rb") as f:
+            return f.read(limit) if stat.S_ISREG(os.fstat(fd).st_mode) else None
+
+    def snapshot(self, virtual: str = "/app") -> str:
+        """A hash of the tree under ``virtual``: paths, types, permission bits, contents."""
+        digest, top = hashlib.sha256(), self.host_path(virtual)
+        for dirpath, dirnames, filenames in os.walk(top):
+            dirnames.sort()
+            for name in sorted(dirnames + filenames):
+                full = os.path.join(dirpath, name)
+                st = os.lstat(full)
+                digest.update(f"{os.path.relpath(full, top)}\0{stat.S_IFMT(st.st_mode)}\0{st.st_mode & 0o777}\0".encode())
+                if stat.S_ISLNK(st.st_mode):
+                    digest.update(os.readlink(full).encode())
+                elif stat.S_ISREG(st.st_mode):
+                    with open(full, "rb") as f:
+                        digest.update(hashlib.sha256(f.read()).digest())
+        return digest.hexdigest()
+
+    # ----- commands -------------------------------------------------------------------------
+    def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
+        env = {"PATH": _PATH, "HOME": self.path("/tmp"), "TMPDIR": self.path("/tmp"), "LANG": "C.UTF-8",
+               "LC_ALL": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0",
+               "APP_DIR": self.path("/app"), "LOGS_DIR": self.path("/logs"), "TEST_DIR": self.path("/tests")}
+        env.update(extra or {})
+        return env
+
+    def run(self, command: str, *, limits: Limits | None = None, cwd: str = "/app",
+            env: Mapping[str, str] | None = None, stdin: str | None = None) -> RunResult:
+        """Run ``command`` with ``bash -c`` in the sandbox; never raises for what the command does."""
+        if self._closed:
+            raise SandboxError("this sandbox is closed")
+        limits = limits or self.limits
+        chroot = self.filesystem == "chroot"
+        rlimits = [(resource.RLIMIT_CPU, limits.cpu_seconds), (resource.RLIMIT_AS, limits.memory_bytes),
+                   (resource.RLIMIT_FSIZE, limits.file_bytes), (resource.RLIMIT_NOFILE, limits.open_files),
+                   (resource.RLIMIT_CORE, 0)]
+        if self.uid is not None:  # root ignores RLIMIT_NPROC; the sandbox uid does not
+            rlimits.append((resource.RLIMIT_NPROC, limits.processes))
+        plan = Plan(root=self.root, uid=self.uid, network_ns=self.isolation.network == "netns", chroot=chroot,
+                    pid_ns=self.isolation.processes == "pidns", rlimits=rlimits, cwd=cwd if chroot else self.host_path(cwd))
+        start = time.monotonic()
+        try:
+            proc = subprocess.Popen(["/bin/bash", "-c", command], stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env(env),
+                                    preexec_fn=plan, start_new_session=True, close_fds=True)
+        except subprocess.SubprocessError as err:
+            raise SandboxError(f"could not start a sandboxed command ({self.isolation.describe()}): {err}") from err
+        if stdin:
+            try:
+                proc.stdin.write(stdin.encode())
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass
+        output, killed, truncated = self._collect(proc, start + limits.wall_seconds, limits.output_bytes)
+        return RunResult(proc.returncode, output, time.monotonic() - start, killed, truncated)
+
+    def _collect(self, proc: subprocess.Popen, deadline: float, cap: int) -> tuple[str, str | None, bool]:
+        # With a PID namespace nothing outlives the command's exit (the kernel ends the
+        # namespace with its init), so only kills need the sweep.
+        chunks, size, killed, hard_stop = [], 0, None, None
+        swept = self.isolation.processes == "pidns" and self.uid is not None
+        fd = proc.stdout.fileno()
+        os.set_blocking(fd, False)
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while True:
+                now = time.monotonic()
+                if killed is None and now >= deadline:
+                    killed, hard_stop = "timeout", now + 5.0
+                    self._kill(proc)
+                if hard_stop is not None and now >= hard_stop:  # the sweep did not end it: end everything
+                    self._kill_group(proc)
+                    break
+                exited = proc.poll() is not None
+                if sel.select(timeout=0.0 if exited else min(0.05, max(deadline - now, 0.01))):
+                    try:
+                        data = os.read(fd, 1 << 16)
+                    except BlockingIOError:
+                        data = None
+                    if data == b"":
+                        break
+                    if data:
+                        chunks.append(data[: max(cap - size, 0)])
+                        size += len(data)
+                        if size > cap and killed is None:
+                            killed, hard_stop = "output_limit", now + 5.0
+                            self._kill(proc)
+                        continue
+                if exited:
+                    if not swept and killed is None:
+                        self._kill(proc)  # background processes may still hold the pipe
+                        swept = True
+                    if not sel.select(timeout=0.2):
+                        break
+        proc.stdout.close()
+        try:
+            proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            self._kill_group(proc)
+            proc.wait()
+        if not swept and killed is None:
+            self._kill(proc)
+        return b"".join(chunks).decode("utf-8", errors="replace"), killed, size > cap
+
+    def _kill(self, proc: subprocess.Popen) -> None:
+        """Kill what the command started. With a PID namespace, killing the sandbox uid's
+        processes ends the namespace and the waiting parent exits by itself; killing that
+        parent first would orphan the namespace's init to the host's init as a zombie."""
+        if self.uid is not None:
+            kill_uid(self.uid)
+        if self.uid is None or self.isolation.processes != "pidns":
+            self._kill_group(proc)
+
+    @staticmethod
+    def _kill_group(proc: subprocess.Popen) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    # ----- lifetime ----------------------------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.uid is not None:
+            kill_uid(self.uid)
+        if not self.keep:
+            shutil.rmtree(self.root, ignore_errors=True)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # interpreter shutdown: best effort only
+            pass
+
+
+def _parents(path: str, top: str):
+    """``path`` and its parents up to (excluding) ``top``."""
+    path, top = os.path.normpath(path), os.path.normpath(top)
+    while path.startswith(top + os.sep):
+        yield path
+        path = os.path.dirname(path)

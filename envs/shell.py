@@ -1,0 +1,114 @@
+"""ShellEnv: a multi-turn episode over a ``HarborTask`` in a ``Sandbox``.
+
+    env = ShellEnv(max_turns=10)
+    obs = env.reset(task)                 # instruction + the action format (envs/base.py)
+    obs, reward, done, info = env.step('<bash>ls</bash>')
+    obs, reward, done, info = env.step('<submit/>')   # tests run now; reward is final
+    env.close()
+
+The episode ends at ``<submit/>``, after ``max_turns`` actions, or when the task's agent
+time (``HarborTask.agent_timeout``, summed over commands) is spent; the tests are copied
+in and run only then. Each command runs under the sandbox limits, its wall clock capped
+by the agent time left. Observations are capped at ``observation_bytes`` (head and tail
+kept). ``noise`` (see ``envs/augment.py``) may perturb observations, never rewards. A task
+whose environment cannot be set up raises ``UnsupportedTask`` from ``reset``; a sandbox
+failure mid-episode ends the episode with reward 0 and ``info["error"]`` (a dropped
+sample, not a dead loop).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Callable
+
+from envs.base import ACTION_HELP, Step, Transcript, Turn, parse_action
+from envs.harbor import HarborTask, Verdict, prepare, run_tests
+from envs.sandbox import Limits, Sandbox, SandboxError
+
+
+def clip(text: str, limit: int) -> str:
+    data = text.encode()
+    if len(data) <= limit:
+        return text
+    half = limit // 2
+    return (data[:half].decode(errors="ignore") + f"\n[... {len(data) - limit} bytes cut ...]\n"
+            + data[-half:].decode(errors="ignore"))
+
+
+class ShellEnv:
+    def __init__(self, *, limits: Limits = Limits(wall_seconds=20.0), max_turns: int = 16,
+                 observation_bytes: int = 4096, network: str = "none", filesystem: str = "auto",
+                 noise: Callable[[str, random.Random], str] | None = None, seed: int = 0, show_help: bool = True):
+        self.limits, self.max_turns, self.observation_bytes = limits, max_turns, observation_bytes
+        self.sandbox_args = {"network": network, "filesystem": filesystem}
+        self.noise, self.rng, self.show_help = noise, random.Random(seed), show_help
+        self.sandbox: Sandbox | None = None
+        self.task: HarborTask | None = None
+        self.transcript: Transcript | None = None
+        self.verdict: Verdict | None = None
+
+    def reset(self, task: HarborTask) -> str:
+        self.close()
+        if not isinstance(task, HarborTask):
+            raise TypeError(f"ShellEnv runs HarborTask, got {type(task).__name__} ({getattr(task, 'id', '?')})")
+        self.sandbox = Sandbox(limits=self.limits, **self.sandbox_args)
+        try:
+            prepare(self.sandbox, task)
+        except BaseException:
+            self.close()
+            raise
+        self.task, self.turns, self.time_left, self.verdict = task, 0, task.agent_timeout, None
+        self.stats = {"actions": 0, "parsed": 0, "commands": 0, "killed": 0}
+        prompt = task.instruction.rstrip("\n") + ("\n\n" + ACTION_HELP if self.show_help else "") + "\n"
+        self.transcript = Transcript(task.id, [Turn("prompt", prompt)])
+        return prompt
+
+    def step(self, action: str) -> Step:
+        if self.task is None:
+            raise RuntimeError("ShellEnv.step before reset (or after the episode ended)")
+        self.turns += 1
+        parsed = parse_action(action)
+        self.transcript.add("model", action)
+        self.stats["actions"] += 1
+        self.stats["parsed"] += parsed.parsed
+        parts = [] if parsed.parsed else [f"[no command run: {parsed.error}]"]
+        try:
+            for command in parsed.commands:
+                if self.time_left <= 0:
+                    parts.append("[agent time is up]")
+                    break
+                limits = self.limits.replace(wall_seconds=max(min(self.limits.wall_seconds, self.time_left), 0.1))
+                result = self.sandbox.run(self.sandbox.rewrite(command), limits=limits, env=self.task.env)
+                self.time_left -= result.seconds
+                self.stats["commands"] += 1
+                self.stats["killed"] += result.killed is not None
+                parts.append(f"{result.output}{'' if result.output.endswith(chr(10)) or not result.output else chr(10)}"
+                             f"{result.summary()}")
+        except SandboxError as err:
+            return self._finish(0.0, {"error": str(err)})
+        observation = clip("\n".join(parts), self.observation_bytes) + "\n"
+        if self.noise is not None:
+            observation = self.noise(observation, self.rng)
+        self.transcript.add("tool", observation)
+        if parsed.submit or self.turns >= self.max_turns or self.time_left <= 0:
+            return self._finish(None, {"answer": parsed.answer, "submitted": parsed.submit}, observation)
+        return Step(observation, 0.0, False, {"parsed": parsed.parsed})
+
+    def _finish(self, reward: float | None, info: dict, observation: str = "") -> Step:
+        if reward is None:
+            try:
+                self.verdict = run_tests(self.sandbox, self.task)
+                reward = self.verdict.reward
+                info["reward_source"] = self.verdict.source
+            except SandboxError as err:
+                reward, info["error"] = 0.0, str(err)
+        info.update(self.stats, turns=self.turns)
+        self.transcript.reward, self.transcript.info = reward, info
+        self.task = None
+        return Step(observation, reward, True, info)
+
+    def close(self) -> None:
+        if self.sandbox is not None:
+            self.sandbox.close()
+            self.sandbox = None
+        self.task = None

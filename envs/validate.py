@@ -1,0 +1,176 @@
+"""The three-check verifier test. A task whose verifier fails any check never enters training.
+
+1. Oracle: the reference solution must earn the full reward (1.0).
+2. No-op: a run that does nothing must earn 0.
+3. Unfinished: runs stopped partway must earn 0: the oracle cut after several of its
+   statements (``cut_points``: syntactically complete prefixes of ``solve.sh``, spread
+   through it, the latest possible cut always included) plus every partial solution the
+   task provides. A cut whose working directory ends up identical to the oracle's
+   (only no-op statements were left) is not unfinished and is skipped, reported as such;
+   a cut that leaves only clean-up to do is still unfinished, so oracles should end on
+   the statement that completes the work. With no probe left the check fails: an
+   unchecked verifier is a rejected one.
+
+For a ``TextTask`` the same checks run on text: the oracle answer; the empty completion
+(with and without the terminator); every strict prefix of the answer (with and without
+the terminator) and the family's partial answers.
+
+Every sandboxed run uses a fresh ``Sandbox``. ``TaskReport.to_dict()`` is the JSON
+report; ``status`` is "pass", "fail", "unsupported" (the environment cannot be set up
+locally: ``envs/harbor.py``) or "error" (the check itself could not run).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from envs.base import TextTask, is_full, is_zero
+from envs.harbor import HarborTask, UnsupportedTask, prepare, run_script, run_tests
+from envs.sandbox import Limits, Sandbox, SandboxError
+
+_HEREDOC = re.compile(r"<<-?\s*(['\"]?)([A-Za-z_][A-Za-z0-9_]*)\1")
+_TRIVIAL = re.compile(r"^\s*(#.*|set\s+-[euxo\w\s]+|cd\s+\S+|)\s*$")
+
+
+@dataclasses.dataclass
+class Check:
+    name: str
+    passed: bool
+    detail: str
+    probes: list[dict] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class TaskReport:
+    task_id: str
+    status: str
+    checks: list[Check]
+    seconds: float
+    source: str | None = None
+    reason: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "pass"
+
+    def to_dict(self) -> dict:
+        return {"task": self.task_id, "status": self.status, "source": self.source, "reason": self.reason,
+                "seconds": round(self.seconds, 3), "checks": {c.name: dataclasses.asdict(c) for c in self.checks}}
+
+
+def cut_points(script: str, n: int = 3) -> list[str]:
+    """Up to ``n`` prefixes of ``script`` that end after a complete statement: outside
+    here-documents, accepted by ``bash -n``, with real work (not only shebang, ``set`` and
+    ``cd`` lines) both before and after the cut. Spread evenly; the latest always kept."""
+    lines = script.splitlines(keepends=True)
+    work = [not _TRIVIAL.match(line) for line in lines]
+    candidates, inside = [], None
+    for i, line in enumerate(lines):
+        if inside is not None:
+            if line.strip() != inside:
+                continue
+            inside = None
+        else:
+            opened = _HEREDOC.search(line)
+            if opened:
+                inside = opened.group(2)
+                continue
+            if not work[i]:
+                continue
+        if any(work[: i + 1]) and any(work[i + 1:]):
+            candidates.append(i + 1)
+    good = [c for c in candidates if _parses("".join(lines[:c]))]
+    if len(good) > n:
+        good = sorted({good[round(j * (len(good) - 1) / (n - 1))] for j in range(n)}) if n > 1 else good[-1:]
+    return ["".join(lines[:c]) for c in good]
+
+
+def _parses(script: str) -> bool:
+    return subprocess.run(["/bin/bash", "-n"], input=script.encode(), capture_output=True).returncode == 0
+
+
+def _validate_text(task: TextTask, t0: float) -> TaskReport:
+    oracle = task.verify(task.oracle())
+    noop = [("", task.verify("")), (task.terminator, task.verify(task.terminator))]
+    body = task.extract(task.oracle())
+    probes = [p for k in range(1, len(body)) for p in (body[:k], body[:k] + task.terminator)]
+    probes = [(p, task.verify(p)) for p in dict.fromkeys(probes + list(task.partials))
+              if task.extract(p) != body]
+    checks = [
+        Check("oracle", is_full(oracle), f"oracle {task.oracle()!r} scored {oracle}"),
+        Check("noop", all(is_zero(r) for _, r in noop), f"empty completions scored {[r for _, r in noop]}",
+              [{"completion": c, "reward": r} for c, r in noop]),
+        Check("unfinished", all(is_zero(r) for _, r in probes),
+              f"{sum(not is_zero(r) for _, r in probes)} of {len(probes)} partial answers scored > 0" if probes
+              else "a one-character answer: its only partial answer is the empty one (the no-op check)",
+              [{"completion": c, "reward": r} for c, r in probes]),
+    ]
+    return TaskReport(task.id, "pass" if all(c.passed for c in checks) else "fail", checks, time.monotonic() - t0)
+
+
+def _episode(task: HarborTask, script: str | None, limits: Limits, sandbox_args: dict):
+    """(verdict, solution result or None, snapshot of /app before the tests)."""
+    with Sandbox(limits=limits, **sandbox_args) as sandbox:
+        prepare(sandbox, task)
+        ran = run_script(sandbox, task, script) if script is not None else None
+        snap = sandbox.snapshot("/app")
+        return run_tests(sandbox, task), ran, snap
+
+
+def _validate_harbor(task: HarborTask, t0: float, cuts: int, limits: Limits, sandbox_args: dict) -> TaskReport:
+    report = lambda status, checks, reason=None: TaskReport(  # noqa: E731
+        task.id, status, checks, time.monotonic() - t0, task.source, reason)
+    if task.solution is None:
+        return report("fail", [], "the task has no solution/solve.sh: the oracle check cannot run")
+    try:
+        verdict, ran, oracle_state = _episode(task, task.solution, limits, sandbox_args)
+        checks = [Check("oracle", is_full(verdict.reward), f"solve.sh {ran.summary()}; {verdict.detail()}",
+                        [{"reward": verdict.reward, "source": verdict.source}])]
+        verdict, _, _ = _episode(task, None, limits, sandbox_args)
+        checks.append(Check("noop", is_zero(verdict.reward), verdict.detail(),
+                            [{"reward": verdict.reward, "source": verdict.source}]))
+        probes, failed = [], 0
+        scripts = [("cut", s) for s in cut_points(task.solution, cuts)] + [("partial", p) for p in task.partials]
+        for kind, script in scripts:
+            verdict, ran, state = _episode(task, script, limits, sandbox_args)
+            lines = script.count("\n")
+            if kind == "cut" and state == oracle_state:
+                probes.append({"kind": kind, "lines": lines, "skipped": "same final state as the oracle"})
+                continue
+            failed += not is_zero(verdict.reward)
+            probes.append({"kind": kind, "lines": lines, "reward": verdict.reward, "source": verdict.source})
+        ran_probes = [p for p in probes if "reward" in p]
+        if not ran_probes:
+            detail = ("no unfinished probe: no cut point of solve.sh leaves a different state "
+                      "and there are no partial solutions")
+        else:
+            detail = f"{failed} of {len(ran_probes)} unfinished runs scored > 0"
+        checks.append(Check("unfinished", bool(ran_probes) and failed == 0, detail, probes))
+    except UnsupportedTask as err:
+        return report("unsupported", [], str(err))
+    except SandboxError as err:
+        return report("error", [], f"sandbox: {err}")
+    return report("pass" if all(c.passed for c in checks) else "fail", checks)
+
+
+def validate(task, *, cuts: int = 3, limits: Limits = Limits(wall_seconds=60.0), network: str = "none",
+             filesystem: str = "auto") -> TaskReport:
+    """The three checks on one task (``TextTask`` or ``HarborTask``)."""
+    t0 = time.monotonic()
+    if isinstance(task, TextTask):
+        return _validate_text(task, t0)
+    if isinstance(task, HarborTask):
+        return _validate_harbor(task, t0, cuts, limits, {"network": network, "filesystem": filesystem})
+    raise TypeError(f"validate takes a TextTask or HarborTask, got {type(task).__name__}")
+
+
+def validate_all(tasks, *, workers: int = 1, **kw) -> list[TaskReport]:
+    """``validate`` over many tasks, ``workers`` at a time; reports in input order."""
+    if workers <= 1:
+        return [validate(t, **kw) for t in tasks]
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(lambda t: validate(t, **kw), tasks))

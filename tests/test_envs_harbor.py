@@ -1,0 +1,158 @@
+"""Harbor / Terminal-Bench task directories: load, run locally, export, and `glmjax-envs validate`."""
+
+import json
+import os
+
+import pytest
+
+from envs import harbor
+from envs.cli import main
+from envs.validate import validate
+
+GOOD_SOLVE = """#!/bin/bash
+set -e
+echo alpha > /app/result.txt
+echo beta >> /app/result.txt
+echo gamma >> /app/result.txt
+"""
+GOOD_TEST = """#!/bin/bash
+mkdir -p /logs/verifier
+if [ "$(cat /app/result.txt 2>/dev/null)" = "$(printf 'alpha\\nbeta\\ngamma')" ]; then
+  echo 1 > /logs/verifier/reward.txt
+else
+  echo 0 > /logs/verifier/reward.txt
+fi
+"""
+
+
+def write_task(root, name, *, solve=GOOD_SOLVE, test=GOOD_TEST, instruction="Write /app/result.txt with the lines "
+               "alpha, beta, gamma.\n", verifier_timeout=20.0, dockerfile=None, files=None, extra_toml=""):
+    task = root / name
+    (task / "solution").mkdir(parents=True)
+    (task / "tests").mkdir()
+    (task / "instruction.md").write_text(instruction)
+    (task / "task.toml").write_text(
+        f'version = "1.0"\n\n[metadata]\ndifficulty = "easy"\ncategory = "file-ops"\ntags = ["test"]\n\n'
+        f"[verifier]\ntimeout_sec = {verifier_timeout}\n\n[agent]\ntimeout_sec = 30.0\n{extra_toml}")
+    (task / "solution" / "solve.sh").write_text(solve)
+    (task / "tests" / "test.sh").write_text(test)
+    if dockerfile is not None:
+        (task / "environment").mkdir()
+        (task / "environment" / "Dockerfile").write_text(dockerfile)
+        for rel, content in (files or {}).items():
+            (task / "environment" / rel).parent.mkdir(parents=True, exist_ok=True)
+            (task / "environment" / rel).write_text(content)
+    return task
+
+
+BROKEN = {  # verifier -> the check that must reject it
+    "always_passes": ("#!/bin/bash\nmkdir -p /logs/verifier\necho 1 > /logs/verifier/reward.txt\n", "noop"),
+    "file_exists_only": ("#!/bin/bash\ntest -f /app/result.txt\n", "unfinished"),
+    "fails_the_oracle": (GOOD_TEST.replace("gamma')", "gamma\\ndelta')"), "oracle"),
+    "crashes": ("#!/bin/bash\npython3 -c 'import glmjax_no_such_module'\n", "oracle"),
+    "hangs": ("#!/bin/bash\necho 1 > /logs/verifier/reward.txt\nsleep 600\n", "oracle"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BROKEN))
+def test_each_check_catches_the_broken_verifier_it_exists_for(tmp_path, name):
+    test, check = BROKEN[name]
+    task = harbor.load_task(str(write_task(tmp_path, name, test=test, verifier_timeout=1.0)))
+    report = validate(task)
+    failed = [c.name for c in report.checks if not c.passed]
+    assert report.status == "fail" and check in failed, report.to_dict()
+    if name == "hangs":
+        assert "killed" in report.checks[0].detail
+
+
+def test_good_verifier_passes_all_three(tmp_path):
+    report = validate(harbor.load_task(str(write_task(tmp_path, "good"))))
+    assert report.passed, report.to_dict()
+    unfinished = report.to_dict()["checks"]["unfinished"]["probes"]
+    assert len([p for p in unfinished if "reward" in p]) == 2  # after alpha, after beta
+
+
+def test_single_statement_oracle_without_partials_is_rejected(tmp_path):
+    solve = "#!/bin/bash\nprintf 'alpha\\nbeta\\ngamma\\n' > /app/result.txt\n"
+    report = validate(harbor.load_task(str(write_task(tmp_path, "one", solve=solve))))
+    assert report.status == "fail" and "no unfinished probe" in report.checks[2].detail
+
+
+def test_reward_json_and_exit_status(tmp_path):
+    as_json = GOOD_TEST.replace("echo 1 > /logs/verifier/reward.txt", "echo '{\"reward\": 1.0}' > /logs/verifier/reward.json")
+    as_json = as_json.replace("echo 0 > /logs/verifier/reward.txt", "echo '{\"reward\": 0}' > /logs/verifier/reward.json")
+    by_exit = "#!/bin/bash\n[ \"$(cat /app/result.txt)\" = \"$(printf 'alpha\\nbeta\\ngamma')\" ]\n"
+    for name, test, source in (("json", as_json, "reward.json"), ("exit", by_exit, "exit status")):
+        report = validate(harbor.load_task(str(write_task(tmp_path, name, test=test))))
+        assert report.passed, report.to_dict()
+        assert report.checks[0].probes[0]["source"] == source
+
+
+def test_dockerfile_is_emulated_and_workdir_mapped(tmp_path):
+    docker = "FROM python:3.11-slim\nWORKDIR /workspace\nENV GREETING=hello\nCOPY data/ /workspace/data/\nRUN mkdir -p /workspace/out\n"
+    solve = "#!/bin/bash\ncp /workspace/data/in.txt /workspace/out/a.txt\necho $GREETING >> /workspace/out/a.txt\n"
+    test = "#!/bin/bash\n[ \"$(cat /workspace/out/a.txt)\" = \"$(printf 'x\\nhello')\" ]\n"
+    task = harbor.load_task(str(write_task(tmp_path, "docker", solve=solve, test=test, dockerfile=docker,
+                                           files={"data/in.txt": "x\n"})))
+    assert task.workdir == "/workspace" and task.files == {"data/in.txt": b"x\n"} and task.env == {"GREETING": "hello"}
+    assert task.unsupported is None
+    assert validate(task).passed
+    assert validate(task, filesystem="plain").passed  # the fallback rewrites the paths instead
+
+
+@pytest.mark.parametrize("case", ["apt", "compose", "copy_outside", "run_fails", "test_needs_network"])
+def test_environments_that_cannot_be_set_up_are_unsupported(tmp_path, case):
+    docker = {"apt": "FROM ubuntu\nRUN apt-get update && apt-get install -y jq\n", "compose": "FROM ubuntu\n",
+              "copy_outside": "FROM ubuntu\nWORKDIR /app\nCOPY tool /usr/local/bin/tool\n",
+              "run_fails": "FROM ubuntu\nWORKDIR /app\nRUN false\n", "test_needs_network": "FROM ubuntu\n"}[case]
+    test = "#!/bin/bash\ncurl -LsSf https://astral.sh/uv/install.sh | sh\n" if case == "test_needs_network" else GOOD_TEST
+    path = write_task(tmp_path, case, dockerfile=docker, files={"tool": "#!/bin/sh\n"}, test=test)
+    if case == "compose":
+        (path / "environment" / "docker-compose.yaml").write_text("services:\n  main:\n    build: .\n")
+    report = validate(harbor.load_task(str(path)))
+    assert report.status == "unsupported" and report.reason, report.to_dict()
+
+
+def test_terminal_bench_format(tmp_path):
+    task = tmp_path / "tb-task"
+    (task / "tests").mkdir(parents=True)
+    (task / "task.yaml").write_text("instruction: |\n  Write /app/result.txt with the lines alpha, beta, gamma.\n"
+                                    "difficulty: medium\ncategory: file-ops\nmax_agent_timeout_sec: 60\n"
+                                    "max_test_timeout_sec: 30\n")
+    (task / "Dockerfile").write_text("FROM ghcr.io/laude-institute/t-bench/python-3-13:latest\nWORKDIR /app\n")
+    (task / "docker-compose.yaml").write_text("services:\n  client:\n    build: .\n")
+    (task / "solution.sh").write_text(GOOD_SOLVE)
+    (task / "run-tests.sh").write_text("#!/bin/bash\npython3 $TEST_DIR/test_outputs.py\n")
+    (task / "tests" / "test_outputs.py").write_text(
+        "assert open('/app/result.txt').read() == 'alpha\\nbeta\\ngamma\\n'\n")
+    loaded = harbor.load_task(str(task))
+    assert loaded.instruction.startswith("Write /app/result.txt") and loaded.difficulty == 3
+    assert loaded.verifier_timeout == 30.0 and loaded.test_command == "bash /tests/run-tests.sh"
+    assert validate(loaded).passed
+
+
+def test_export_round_trip(tmp_path):
+    original = harbor.load_task(str(write_task(tmp_path / "src", "round")))
+    original = original.replace(partials=("#!/bin/bash\necho alpha > /app/result.txt\n",), files={"seed.txt": "s\n"})
+    path = harbor.export_task(original, str(tmp_path / "out"))
+    again = harbor.load_task(path)
+    assert (again.instruction, again.solution, again.partials, again.difficulty) == \
+        (original.instruction, original.solution, original.partials, original.difficulty)
+    assert again.files == {"seed.txt": b"s\n"} and set(again.tests) == {"test.sh"}
+    assert validate(again).passed
+
+
+def test_cli_validate_folder_of_harbor_tasks(tmp_path, capsys):
+    folder = tmp_path / "tasks"
+    write_task(folder, "good-a")
+    write_task(folder, "good-b", solve=GOOD_SOLVE.replace("set -e\n", ""))
+    reports = tmp_path / "reports"
+    assert main(["validate", str(folder), "--out", str(reports)]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["status"] for r in lines] == ["pass", "pass"]
+    assert sorted(os.listdir(reports)) == ["good-a.json", "good-b.json"]
+    write_task(folder, "bad", test=BROKEN["always_passes"][0])
+    assert main(["validate", str(folder)]) == 1
+    out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {r["task"]: r["status"] for r in out}["bad"] == "fail"
+    assert main(["validate", str(tmp_path / "empty-dir-that-is-missing")]) == 2

@@ -1,0 +1,215 @@
+"""Sandbox: each escape attempt is stopped within its limit, scores 0, and harms nothing else."""
+
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from envs import sandbox as sandbox_module
+from envs.cli import main
+from envs.harbor import HarborTask
+from envs.sandbox import Isolation, Limits, Sandbox, SandboxError, probe
+from envs.shell import ShellEnv
+
+ISO = probe()
+needs_netns = pytest.mark.skipif(ISO.network != "netns", reason="no network namespaces here: " + ISO.describe())
+needs_chroot = pytest.mark.skipif(ISO.filesystem != "chroot", reason="no mount namespaces here: " + ISO.describe())
+needs_uid = pytest.mark.skipif(ISO.user != "dedicated-uid", reason="not root: no dedicated uid")
+
+
+def _uid_processes(uid: int) -> list[int]:
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.stat(f"/proc/{pid}").st_uid == uid:
+                pids.append(int(pid))
+        except FileNotFoundError:
+            pass
+    return pids
+
+
+def _answer_task(secret: str = "") -> HarborTask:
+    tests = {"test.sh": f"#!/bin/bash\n# {secret}\ntest \"$(cat /app/answer.txt)\" = 42\n"}
+    return HarborTask(id="answer", instruction="Write 42 to /app/answer.txt.\n", domain="terminal",
+                      solution="echo 42 > /app/answer.txt\n", tests=tests, agent_timeout=30.0, verifier_timeout=10.0)
+
+
+def test_probe_reports_what_is_active(capsys):
+    assert ISO.network in ("netns", "host") and ISO.filesystem in ("chroot", "plain")
+    assert ISO.processes in ("pidns", "kill-sweep") and "network=" in ISO.describe()
+    assert main(["info"]) == 0 and ISO.describe() in capsys.readouterr().out
+
+
+def test_without_network_namespaces_the_sandbox_refuses_by_default(monkeypatch):
+    refused = Isolation("host", "plain", ISO.user, "kill-sweep", ("unshare(CLONE_NEWNET): EPERM",))
+    monkeypatch.setattr(sandbox_module, "probe", lambda: refused)
+    with pytest.raises(SandboxError, match="network='host'"):
+        Sandbox()
+    with pytest.raises(SandboxError, match="mount namespaces"):
+        Sandbox(network="host", filesystem="chroot")
+    with Sandbox(network="host") as box:  # explicitly allowed: runs, and says what it has
+        assert box.isolation.network == "host" and box.run("echo ok").output == "ok\n"
+
+
+def test_basic_command_runs_in_private_workdir():
+    with Sandbox() as box:
+        result = box.run("pwd; echo hi > x; cat x; env | sort")
+        assert result.ok, result.output
+        assert result.output.splitlines()[:2] == [box.path("/app"), "hi"]
+        env = dict(line.split("=", 1) for line in result.output.splitlines()[2:] if "=" in line)
+        assert "OPENAI_API_KEY" not in env and env["TMPDIR"] == box.path("/tmp")
+        assert box.read_bytes("/app/x") == b"hi\n"
+
+
+def test_files_persist_processes_do_not():
+    with Sandbox() as box:
+        box.run("sleep 30 & echo started")
+        if box.uid is not None:
+            assert _uid_processes(box.uid) == []
+        box.run("echo one > f")
+        assert box.run("cat f").output == "one\n"
+
+
+BAD_COMMANDS = {
+    "infinite_loop": ("while :; do :; done", Limits(wall_seconds=1.5), 4.0),
+    "cpu_limit": ("while :; do :; done", Limits(wall_seconds=10.0, cpu_seconds=1), 5.0),
+    "fork_bomb": ("bomb() { bomb | bomb & }; bomb; sleep 20", Limits(wall_seconds=2.0, processes=32), 6.0),
+    "alloc_10gb": ("python3 -c 'x = bytearray(10 * 1024 ** 3)'", Limits(memory_bytes=512 << 20), 5.0),
+    "big_output": ("head -c 100000000 /dev/zero | tr '\\0' x", Limits(output_bytes=1 << 20), 5.0),
+    "setsid_escape": ("setsid sleep 60 & disown; sleep 60", Limits(wall_seconds=1.0), 4.0),
+    "write_outside": ("echo 42 > /answer.txt; echo 42 > /etc/answer.txt; echo 42 > ../answer.txt", Limits(), 4.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_COMMANDS))
+def test_bad_command_is_stopped_within_limits_and_scores_zero(name):
+    command, limits, seconds = BAD_COMMANDS[name]
+    env = ShellEnv(limits=limits)
+    env.reset(_answer_task())
+    uid = env.sandbox.uid
+    start = time.monotonic()
+    obs, reward, done, info = env.step(f"<bash>{command}</bash>")
+    took = time.monotonic() - start
+    assert not done and took < seconds, (name, took, obs[-300:])
+    if uid is not None:
+        assert _uid_processes(uid) == [], f"{name} left processes behind"
+    _, reward, done, info = env.step("<submit/>")
+    assert done and reward == 0.0
+    env.close()
+    if name == "big_output":
+        assert "output_limit" in obs and len(obs) < 8192
+    if name == "alloc_10gb":
+        assert "MemoryError" in obs
+    if name == "write_outside":
+        assert obs.count("Read-only file system") + obs.count("Permission denied") >= 2, obs
+    with Sandbox() as other:  # the host can still run sandboxes
+        assert other.run("echo ok").output == "ok\n"
+
+
+@needs_uid
+def test_fork_bomb_leaves_concurrent_task_unharmed():
+    results = {}
+
+    def neighbour():
+        with Sandbox() as box:
+            outputs = [box.run("echo $((6 * 7))").output for _ in range(5)]
+            results["neighbour"] = outputs
+
+    with Sandbox(limits=Limits(wall_seconds=2.0, processes=16)) as bomb:
+        thread = threading.Thread(target=neighbour)
+        thread.start()
+        result = bomb.run("bomb() { bomb | bomb & }; bomb; sleep 20")
+        thread.join(30)
+    assert result.killed == "timeout"
+    assert results["neighbour"] == ["42\n"] * 5
+    assert os.getpid() > 0 and os.system("true") == 0
+
+
+@needs_chroot
+def test_writes_outside_the_sandbox_fail(tmp_path):
+    outside = tmp_path / "outside.txt"
+    marker = f"glmjax-escape-{os.getpid()}"
+    with Sandbox() as box:
+        result = box.run(f"echo x > {outside}; echo x > /etc/{marker}; echo x > /{marker}; echo x > /usr/{marker}; "
+                         f"echo x > /tmp/{marker} && echo tmp-ok; echo x > /dev/shm/{marker}; ls /work /root 2>&1")
+    assert "tmp-ok" in result.output  # its own /tmp is writable ...
+    assert not outside.exists()
+    for path in (f"/etc/{marker}", f"/{marker}", f"/usr/{marker}", f"/tmp/{marker}", f"/dev/shm/{marker}"):
+        assert not os.path.exists(path), path  # ... but nothing on the host changed
+
+
+def test_host_side_reads_do_not_follow_symlinks_out():
+    with Sandbox() as box:
+        box.run("ln -s /etc/hostname leak; mkdir d; ln -s /etc d/up")
+        assert box.read_bytes("/app/leak") is None
+        assert box.read_bytes("/app/d/up/hostname") is None
+
+
+@needs_netns
+def test_network_connection_is_refused():
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    listener.settimeout(0.2)
+    port = listener.getsockname()[1]
+    env = ShellEnv()
+    env.reset(_answer_task())
+    obs, *_ = env.step(f"<bash>python3 -c \"import socket; socket.create_connection(('127.0.0.1', {port}), timeout=2)\"; "
+                       f"echo hi > /dev/tcp/127.0.0.1/{port} && echo CONNECTED</bash>")
+    _, reward, done, _ = env.step("<submit/>")
+    env.close()
+    with pytest.raises(socket.timeout):
+        listener.accept()
+    listener.close()
+    assert "CONNECTED" not in obs and ("refused" in obs.lower() or "unreachable" in obs.lower())
+    assert done and reward == 0.0
+
+
+def test_tests_are_invisible_until_the_agent_finishes():
+    secret = "SECRET-TOKEN-7319"
+    task = _answer_task(secret)
+    env = ShellEnv()
+    env.reset(task)
+    host_tests = "/tmp /work /root /home"  # where the task's files live on the host: not in the sandbox
+    obs, *_ = env.step(f"<bash>ls -la /tests; cat /tests/test.sh; grep -rs SECRET-TOKEN /app /tests /solution /logs "
+                       f"/etc {host_tests} | head</bash>")
+    assert secret not in obs
+    _, reward, done, _ = env.step("<bash>echo 41 > /app/answer.txt</bash><submit/>")
+    env.close()
+    assert done and reward == 0.0
+
+
+def test_agent_cannot_forge_the_reward_file():
+    env = ShellEnv()
+    env.reset(_answer_task())
+    env.step("<bash>mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt</bash>")
+    _, reward, _, info = env.step("<submit/>")
+    env.close()
+    assert reward == 0.0 and info["reward_source"] == "exit status"
+
+
+def test_plain_filesystem_fallback_runs_with_rewritten_paths():
+    with Sandbox(filesystem="plain") as box:
+        assert box.path("/app") == box.host_path("/app") != "/app"
+        script = box.rewrite("cd /app && echo 1 > /app/x && cat /app/x > /logs/verifier/y; echo /apple")
+        assert "/apple" in script and box.root in script
+        result = box.run(script)
+        assert result.ok, result.output
+        assert box.read_bytes("/logs/verifier/y") == b"1\n"
+        if box.uid is not None:
+            assert not box.run("touch /etc/glmjax-plain-escape").ok
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="network"):
+        Sandbox(network="bridge")
+    with pytest.raises(ValueError, match="Limits.wall_seconds"):
+        Limits(wall_seconds=0)
+    with Sandbox() as box:
+        with pytest.raises(ValueError, match="not under one of the sandbox directories"):
+            box.host_path("/etc/passwd")
+    box.close()
+    with pytest.raises(SandboxError, match="closed"):
+        box.run("true")
