@@ -1,11 +1,11 @@
-"""sao_tiny: the main job. SAO post-training of the tiny model on arithmetic, on a CPU.
+"""sao_tiny: the main job. SAO post-training of the tiny model on sorting, on a CPU.
 
     glmjax-train --config configs/sao_tiny.py --workdir /tmp/glmjax-sao
     glmjax-train --config configs/sao_tiny.py --workdir /tmp/glmjax-grpo --config.rl.algorithm=grpo
     glmjax-train --config configs/sao_tiny.py --workdir /tmp/glmjax-sync --config.rl.eta=0
 
-A base model is first trained briefly on demonstrations ("12+7=" -> "19\\n"), so that it
-solves some held-out problems but not most; SAO then trains it on its own sampled
+A base model is first trained briefly on demonstrations ("sort 4 2 9 1=" -> "1 2 4 9\\n"),
+so that it solves some held-out problems but not most; SAO then trains it on its own sampled
 answers, one rollout per prompt, with rewards from the exact-answer verifier. The model
 is configs/tiny.py's with a context of 64 bytes.
 """
@@ -25,13 +25,13 @@ def get_config(arg=None):
     config.seed = 0
     config.checkpoint_every = 10
     config.task = ml_collections.ConfigDict(dict(
-        family="arithmetic", difficulty=2, seed=0, train_tasks=4000, eval_tasks=200, max_len=24,
-        max_new_tokens=8))
+        family="sorting", difficulty=2, seed=0, train_tasks=4000, eval_tasks=200, max_len=28,
+        max_new_tokens=10))
     config.base = ml_collections.ConfigDict(dict(
-        demonstrations=3000, steps=150, batch_size=64, seq_len=24, learning_rate=3e-3, warmup=20, mtp_weight=0.3,
+        demonstrations=3000, steps=130, batch_size=64, seq_len=28, learning_rate=3e-3, warmup=20, mtp_weight=0.3,
         seed=0))
     config.rl = ml_collections.ConfigDict(dict(
-        algorithm="sao", steps=60, batch_size=64, slots=64, eta=2, tau=4, temperature=1.0,
-        eps_low=0.2, eps_high=4.0, alpha=1.5, gamma=1.0, actor_lr=1e-3, critic_lr=3e-3, critic_steps=2,
+        algorithm="sao", steps=60, batch_size=64, slots=64, eta=2, tau=4, temperature=0.7,
+        eps_low=0.2, eps_high=4.0, alpha=1.5, gamma=1.0, actor_lr=1e-4, critic_lr=3e-4, critic_steps=2,
         critic_warmup=3, freeze_critic_attention=False, grad_clip=1.0))
     return config

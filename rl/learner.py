@@ -49,9 +49,12 @@ class ValueModel(nnx.Module):
         return jnp.pad(v[:, :-1], ((0, 0), (1, 0)))
 
 
-def token_logprobs(model: GlmForCausalLM, tokens: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """log p(tokens[t] | tokens[:t]) and the entropy of that distribution, [B, T]; 0 at t = 0."""
-    logits = model(tokens).logits[:, :-1]
+def token_logprobs(model: GlmForCausalLM, tokens: jax.Array, temperature: float = 1.0):
+    """log p(tokens[t] | tokens[:t]) and the entropy of that distribution, [B, T]; 0 at t = 0.
+
+    p is softmax(logits / temperature): the distribution the engine sampled from, so the
+    importance ratio against its recorded log-probs is 1 for unchanged weights."""
+    logits = model(tokens).logits[:, :-1] / temperature
     logp_all = jax.nn.log_softmax(logits, axis=-1)
     logp = jnp.take_along_axis(logp_all, tokens[:, 1:, None], axis=-1)[..., 0]
     entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
@@ -65,7 +68,7 @@ def _optimizer(model, lr: float, clip: float, wrt) -> nnx.Optimizer:
 
 
 def _policy_objective(policy, batch: sao.Batch, advantages, weights, cfg):
-    logp, entropy = token_logprobs(policy, batch.tokens)
+    logp, entropy = token_logprobs(policy, batch.tokens, cfg.get("temperature", 1.0))
     mask = batch.action_mask
     algorithm = cfg["algorithm"]
     if algorithm == "sao":
@@ -125,7 +128,8 @@ class Learner:
     """Owns the actor's and the critic's optimizers; `step` is one SAO (or ablation) update.
 
     cfg (the config's `rl` dict): algorithm, eps_low, eps_high, alpha, gamma, actor_lr,
-    critic_lr, critic_steps (K), critic_warmup, freeze_critic_attention, grad_clip.
+    critic_lr, critic_steps (K), critic_warmup, freeze_critic_attention, grad_clip, and the
+    rollouts' sampling temperature (the policy's log-probs are taken at it).
     """
 
     def __init__(self, policy: GlmForCausalLM, critic: ValueModel | None, cfg: Mapping[str, Any]):
@@ -147,7 +151,7 @@ class Learner:
         self.steps = 0
         self.skipped = 0
         self._loss_keys = tuple(sorted((k, v) for k, v in self.cfg.items() if k in ("algorithm", "eps_low",
-                                                                                    "eps_high")))
+                                                                                    "eps_high", "temperature")))
 
     def advantages(self, batch: sao.Batch, group_ids=None):
         """(advantages, returns, batch with the critic's values) for the configured algorithm."""

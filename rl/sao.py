@@ -271,7 +271,8 @@ def value_loss(values: jax.Array, returns: jax.Array, action_mask: jax.Array, *,
     resid = sg(v) - r
     var_e = _mean(jnp.square(resid - _mean(resid, m)), m)
     aux = {"value_mean": _mean(sg(v), m), "return_mean": r_mean,
-           "explained_variance": 1.0 - var_e / jnp.where(var_r > 0, var_r, 1.0)}
+           # 0 when the returns are (numerically) constant: there is no variance to explain.
+           "explained_variance": jnp.where(var_r > 1e-8, 1.0 - var_e / jnp.maximum(var_r, 1e-8), 0.0)}
     return loss, aux
 
 

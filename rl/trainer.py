@@ -121,6 +121,7 @@ def run(cfg, workdir: str) -> dict:
     if resumed:
         store.publish(nnx.state(policy), resumed["version"])
     writer = _writer(workdir)
+    history = open(os.path.join(workdir, "metrics.jsonl"), "a")
 
     base_rate = resumed["base_pass_rate"] if resumed else evaluate(driver, heldout, cfg.task.max_new_tokens)
     print(f"base model: held-out pass rate {base_rate:.1%} on {len(heldout)} tasks", flush=True)
@@ -166,6 +167,9 @@ def run(cfg, workdir: str) -> dict:
                        learner_busy_fraction=busy / max(time.time() - start, 1e-9))
         for k, v in metrics.items():
             writer.add_scalar(f"train/{k}", v, step)
+        history.write(json.dumps({"step": step, "version": store.version, "time": time.time() - start,
+                                  **metrics}) + "\n")
+        history.flush()
         writer.add_histogram("train/staleness", np.asarray(staleness), step)
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward']:.2f}", vloss=f"{metrics.get('value_loss', 0):.3f}")
@@ -187,6 +191,7 @@ def run(cfg, workdir: str) -> dict:
     with open(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     writer.close()
+    history.close()
     print(format_table(summary), flush=True)
     return summary
 
