@@ -156,6 +156,7 @@ def run(cfg, workdir: str) -> dict:
         if len(ready) < rl.batch_size:
             time.sleep(0.002)
             continue
+        ready.sort(key=lambda tr: tr.rollout_id)  # admission order, not finishing order: replayable
         batch, ready = ready[:rl.batch_size], ready[rl.batch_size:]
         t0 = time.time()
         metrics = learner.step(ro.to_batch(batch, length=cfg.task.max_len))
@@ -168,7 +169,7 @@ def run(cfg, workdir: str) -> dict:
         for k, v in metrics.items():
             writer.add_scalar(f"train/{k}", v, step)
         history.write(json.dumps({"step": step, "version": store.version, "time": time.time() - start,
-                                  **metrics}) + "\n")
+                                  "tasks": [tr.task_id for tr in batch], **metrics}) + "\n")
         history.flush()
         writer.add_histogram("train/staleness", np.asarray(staleness), step)
         bar.update(1)
