@@ -132,13 +132,16 @@ def run(cfg, workdir: str) -> dict:
     bar = tqdm(total=rl.steps, initial=step, desc="SAO", mininterval=1.0)
     busy = 0.0
     while step < rl.steps:
-        for _ in range(admission.capacity(store.version)):
+        group = rl.get("group_size", 1)  # GRPO-style baselines sample G rollouts per prompt
+        while admission.capacity(store.version) >= group:
             task = next(stream)
             prompt = ro.encode(task.prompt)
-            h = driver.submit(Request(prompt, cfg.task.max_new_tokens, temperature=rl.temperature,
-                                      seed=rng_seed + admission.accepted + admission.running, stop_ids=STOP))
-            pending[h] = (task, prompt, admission.accepted + admission.running)
-            admission.started()
+            for _ in range(group):
+                rid = admission.accepted + admission.running
+                h = driver.submit(Request(prompt, cfg.task.max_new_tokens, temperature=rl.temperature,
+                                          seed=rng_seed + rid, stop_ids=STOP))
+                pending[h] = (task, prompt, rid)
+                admission.started()
         for h in [h for h in pending if h.done()]:
             task, prompt, rid = pending.pop(h)
             res = h.result()
@@ -159,7 +162,8 @@ def run(cfg, workdir: str) -> dict:
         ready.sort(key=lambda tr: tr.rollout_id)  # admission order, not finishing order: replayable
         batch, ready = ready[:rl.batch_size], ready[rl.batch_size:]
         t0 = time.time()
-        metrics = learner.step(ro.to_batch(batch, length=cfg.task.max_len))
+        groups = np.unique([tr.task_id for tr in batch], return_inverse=True)[1] if group > 1 else None
+        metrics = learner.step(ro.to_batch(batch, length=cfg.task.max_len), group_ids=groups)
         store.publish(nnx.state(policy))
         busy += time.time() - t0
         step, rollouts = step + 1, rollouts + len(batch)
