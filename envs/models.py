@@ -120,6 +120,6 @@ def client_from_spec(spec: str, *, tasks: Sequence[Task] = ()) -> ModelClient:
         return OpenAIClient(url, model)
     if spec.startswith("engine:"):
         raise NotImplementedError(
-            "the glmjax engine client is not here yet: rl/engine.py's author adds a ModelClient "
-            "(envs/models.py) whose complete() runs GlmEngine; use openai:URL#model against a served engine")
+            "envs does not import the engine: build rl.env_client.EngineClient (a ModelClient over "
+            "GlmEngine) in Python, or use openai:URL#model against a served engine")
     raise ValueError(f"unknown model {spec!r}: use openai:URL#model, oracle, noop or engine:...")

@@ -67,3 +67,17 @@ def test_byte_tokenizer_round_trip():
     text = "sort 4 2 9 1=1 2 4 9\n"
     assert ro.decode(ro.encode(text)) == text
     assert max(ro.encode(text)) < 256
+
+
+def test_engine_client_completes_through_the_driver():
+    import glmjax
+    from rl.driver import Driver
+    from rl.engine import GlmEngine
+    from rl.env_client import EngineClient
+    from tests.test_sharding import CONFIG
+
+    model = glmjax.init_model(CONFIG.replace(vocab_size=256), seed=0)
+    client = EngineClient(Driver(GlmEngine(model, max_concurrent_decodes=2, max_len=64)))
+    text = client.complete("sort 3 1 2=", max_tokens=5)
+    expected = glmjax.generate(model, [ro.encode("sort 3 1 2=")], 5)[0, 11:]
+    assert text == ro.decode(list(map(int, expected)))
