@@ -10,9 +10,9 @@ main attention (summed over heads, L1-normalised) into the indexer's distributio
 sparse training of everything, the indexer's KL now taken over its own top-k. The
 indexer's inputs are detached, so the KL trains only the indexer and the LM losses only
 the rest. How this file differs from the papers:
-  * no aux-loss-free balancing: the MoE correction bias (`RouterBias`, not an `nnx.Param`)
-    is never differentiated nor moved by the step; the metrics report the busiest
-    expert's load (`expert_load_max`, 1.0 is balanced);
+  * the MoE correction bias (`RouterBias`, not an `nnx.Param`) is never differentiated;
+    the aux-loss-free update moves it only when `bias_update_rate` > 0; the metrics report
+    the busiest expert's load (`expert_load_max`, 1.0 is balanced);
   * the MTP layer's indexer gets no KL (`mtp_forward` has no `indexer_loss`), so no stage
     trains it (see `TRAINABLE`);
   * the corpus is synthetic, a two-token-lag Markov chain, so learning shows in seconds.
@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 
 from glmjax.layers.indexer import indexer_kl
 from glmjax.layers.mla import LATENT_NORM_EPS
+from glmjax.layers.moe import update_correction_biases
 from glmjax.layers.norms import rms_norm
 from glmjax.layers.rope import apply_rope, rope_tables
 from glmjax.model import GlmForCausalLM
@@ -93,6 +94,7 @@ def loss_fn(model: GlmForCausalLM, batch: Mapping[str, jax.Array], *, mtp_weight
         aux["indexer_kl"] = out.indexer_loss
     if out.expert_load is not None:  # [L_moe, E]; 1.0 is perfect balance
         aux["expert_load_max"] = jnp.max(out.expert_load / jnp.mean(out.expert_load, -1, keepdims=True))
+        aux["expert_load"] = out.expert_load
     aux["loss"] = loss
     return loss, aux
 
@@ -114,23 +116,30 @@ def make_optimizer(cfg: Mapping[str, Any], model: GlmForCausalLM, *, trainable=T
     return nnx.Optimizer(model, tx, wrt=trainable)
 
 
-@functools.partial(nnx.jit, static_argnames=("mtp_weight", "indexer_stage"))
+@functools.partial(nnx.jit, static_argnames=("mtp_weight", "indexer_stage", "bias_update_rate"))
 def train_step(model: GlmForCausalLM, optimizer: nnx.Optimizer, batch, *, mtp_weight: float = 0.3,
-               indexer_stage: str | None = None) -> dict:
+               indexer_stage: str | None = None, bias_update_rate: float = 0.0) -> dict:
     """One AdamW step on the variables the optimizer was built for (`optimizer.wrt`);
-    everything else, the router bias included, is a constant here. Returns the metrics."""
+    everything else is a constant of the gradient. With bias_update_rate > 0 the MoE
+    correction biases then take DeepSeek-V3's aux-loss-free step on this batch's expert
+    load (layers/moe.py, update_correction_biases). Returns the metrics."""
     grad_fn = nnx.value_and_grad(
         lambda m: loss_fn(m, batch, mtp_weight=mtp_weight, indexer_stage=indexer_stage),
         argnums=nnx.DiffState(0, optimizer.wrt), has_aux=True)
     (_, aux), grads = grad_fn(model)
     optimizer.update(model, grads)
+    load = aux.pop("expert_load", None)
+    if bias_update_rate and load is not None:
+        update_correction_biases(model, load, bias_update_rate)
     return {**aux, "grad_norm": optax.tree.norm(grads)}
 
 
 @functools.partial(nnx.jit, static_argnames=("mtp_weight", "indexer_stage"))
 def eval_step(model: GlmForCausalLM, batch, *, mtp_weight: float = 0.3, indexer_stage: str | None = None) -> dict:
     """loss_fn's metrics, without a step."""
-    return loss_fn(model, batch, mtp_weight=mtp_weight, indexer_stage=indexer_stage)[1]
+    aux = loss_fn(model, batch, mtp_weight=mtp_weight, indexer_stage=indexer_stage)[1]
+    aux.pop("expert_load", None)
+    return aux
 
 
 def fit(model: GlmForCausalLM, optimizer: nnx.Optimizer, stream: Iterator[dict], steps: int, *,

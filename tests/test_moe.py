@@ -123,3 +123,20 @@ def test_correction_bias_update_moves_load_toward_balance():
     for _ in range(30):
         update_correction_biases(model, model(ids).expert_load, rate=1e-2)
     assert spread(model(ids).expert_load) < spread(load)
+
+
+def test_train_step_applies_the_bias_update_when_asked():
+    from glmjax import train
+    from tests.test_model import TINY
+
+    model = glmjax.init_model(TINY, seed=1)
+    opt = train.make_optimizer(dict(learning_rate=1e-3, warmup=1, steps=10), model)
+    ids = jax.random.randint(jax.random.key(2), (4, 24), 0, TINY.vocab_size)
+    batch = {"input_ids": ids, "loss_mask": jnp.ones(ids.shape, jnp.float32)}
+    bias = lambda: np.asarray(model.layers[1].mlp.router.e_score_correction_bias[...])  # noqa: E731
+    before = bias()
+    train.train_step(model, opt, batch, mtp_weight=0.0)
+    np.testing.assert_array_equal(bias(), before)
+    train.train_step(model, opt, batch, mtp_weight=0.0, bias_update_rate=1e-3)
+    step = bias() - before
+    assert np.allclose(np.abs(step), 1e-3) or (np.abs(step).max() <= 1e-3 and np.abs(step).max() > 0)
