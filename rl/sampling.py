@@ -1,0 +1,69 @@
+"""Per-slot sampling for the rollout engine: temperature, top-k, a random key per slot.
+
+Every slot of a decode batch carries its own settings, so one compiled step serves greedy
+and sampled requests side by side. `sampling_logprobs` turns logits into the log of the
+distribution a slot samples from; greedy slots get a one-hot distribution at the argmax,
+which lets speculative decoding use one rejection rule for both (rl/speculative.py).
+
+The log-prob reported for a token (`token_logprobs`) is the one the learner needs as the
+behaviour policy: log softmax(logits / T) with top-k applied when sampled; for greedy
+slots (T = 0) the plain log softmax(logits) of the chosen token.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class SamplingParams(NamedTuple):
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = the whole vocabulary
+    seed: int = 0
+
+
+def _per_row(x: jax.Array, like: jax.Array) -> jax.Array:
+    """x [B] broadcast against like [B, ..., N]."""
+    return x.reshape(x.shape + (1,) * (like.ndim - 1))
+
+
+def sampling_logprobs(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, max_top_k: int) -> jax.Array:
+    """logits [B, ..., N] fp32; temperature [B] (<= 0 greedy); top_k [B] (0 off, else <=
+    max_top_k). Returns the log-probs [B, ..., N] each row samples from."""
+    t = _per_row(temperature, logits)
+    greedy = t <= 0
+    scaled = logits / jnp.where(greedy, 1.0, t)
+    if max_top_k:
+        def truncate(scaled):
+            kth_values = jax.lax.top_k(scaled, max_top_k)[0]  # [B, ..., max_top_k]
+            k = _per_row(jnp.clip(top_k - 1, 0, max_top_k - 1), logits)
+            kth = jnp.take_along_axis(kth_values, jnp.broadcast_to(k, kth_values.shape[:-1] + (1,)), axis=-1)
+            return jnp.where((_per_row(top_k, logits) > 0) & (scaled < kth), -jnp.inf, scaled)
+
+        scaled = jax.lax.cond(jnp.any(top_k > 0), truncate, lambda x: x, scaled)  # top-k costs: only if asked
+    logp = jax.nn.log_softmax(scaled, axis=-1)
+    argmax = jnp.argmax(logits, axis=-1)[..., None]
+    onehot = jnp.where(jnp.arange(logits.shape[-1]) == argmax, 0.0, -jnp.inf)
+    return jnp.where(greedy, onehot, logp)
+
+
+def token_logprobs(logits: jax.Array, logp: jax.Array, tokens: jax.Array, temperature: jax.Array) -> jax.Array:
+    """The reported log-prob [B, ...] of tokens [B, ...]: under logp (the sampling
+    distribution) for sampled rows, under log softmax(logits) for greedy rows."""
+    greedy = _per_row(temperature, tokens) <= 0
+    raw = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[..., None], axis=-1)[..., 0]
+    sampled = jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
+    return jnp.where(greedy, raw, sampled)
+
+
+def split_keys(keys: jax.Array, num: int) -> tuple[jax.Array, jax.Array]:
+    """keys [B] -> (next keys [B], subkeys [num, B]): one fresh stream per slot."""
+    split = jax.vmap(lambda k: jax.random.split(k, num + 1))(keys)  # [B, num + 1]
+    return split[:, 0], jnp.moveaxis(split[:, 1:], 1, 0)
+
+
+def sample(keys: jax.Array, logp: jax.Array) -> jax.Array:
+    """One token per row: keys [B], logp [B, N] -> [B] int32."""
+    return jax.vmap(jax.random.categorical)(keys, logp).astype(jnp.int32)
