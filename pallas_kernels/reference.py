@@ -26,8 +26,7 @@ import jax.numpy as jnp
 NEG_INF = float("-inf")
 _NEG = -1e30  # finite "minus infinity" of the online softmax: _NEG - _NEG is 0, not nan
 QUERY_BLOCK = 256
-KEY_BLOCK = 1024  # keys per step for full query blocks; small (decode) blocks take more
-SCORE_TILE = 1 << 18  # score entries per step when the key block is chosen automatically
+KEY_BLOCK = 1024  # keys per step of the walk (decode included: measured best on CPU)
 SPARSE_QUERY_BLOCK = 16  # the gathered rows of a block, [16, P, C + R], stay in cache
 
 
@@ -65,11 +64,6 @@ def _softmax_rows(scores: jax.Array, valid: jax.Array) -> jax.Array:
     return e / jnp.maximum(jnp.sum(e, axis=-1, keepdims=True), 1e-30)
 
 
-def _key_block_size(key_block: int | None, rows: int, num_keys: int) -> int:
-    size = key_block or max(KEY_BLOCK, SCORE_TILE // max(rows, 1))
-    return min(size, num_keys)
-
-
 def _walk_keys(step, carry, pos, num_keys: int, size: int):
     """carry = step(j, start, fresh, carry) for the key blocks j that hold a key visible
     at some position in pos. Block j covers keys [start, start + size); the last block is
@@ -85,16 +79,15 @@ def _walk_keys(step, carry, pos, num_keys: int, size: int):
 
 
 def mla_attention(q_c, q_r, c_kv, k_r, q_pos, *, scale: float, block: int = QUERY_BLOCK,
-                  key_block: int | None = None):
+                  key_block: int = KEY_BLOCK):
     """Causal absorbed-MLA attention over every visible key.
 
     q_c [B, T, H, C], q_r [B, T, H, R], c_kv [B, S, C], k_r [B, S, R]; key s is at
     position s and visible to the query at q_pos [B, T] when s <= q_pos.
     Returns o_c [B, T, H, C] (fp32 softmax, output in q_c's dtype).
 
-    The online softmax of FlashAttention over key blocks (None: sized so that a step's
-    score tile has ~SCORE_TILE entries); the (token, head) pairs of a query block are the
-    rows of one matmul against the shared latent key.
+    The online softmax of FlashAttention over blocks of key_block keys; the (token, head)
+    pairs of a query block are the rows of one matmul against the shared latent key.
     """
     num_keys = c_kv.shape[1]
 
@@ -102,7 +95,7 @@ def mla_attention(q_c, q_r, c_kv, k_r, q_pos, *, scale: float, block: int = QUER
         b, t, h, _ = qc.shape
         rows = lambda x: x.reshape(b, t * h, x.shape[-1])  # noqa: E731  [B, M, .], row m = t * H + h
         row_pos = jnp.repeat(pos, h, axis=1)[:, :, None]  # [B, M, 1]
-        size = _key_block_size(key_block, t * h, num_keys)
+        size = min(key_block, num_keys)
 
         def step(j, start, fresh, carry):
             acc, peak, total = carry
@@ -147,7 +140,7 @@ def sparse_mla_attention(q_c, q_r, c_kv, k_r, q_pos, topk_idx, *, scale: float,
     return map_query_blocks(attend, block, q_c, q_r, q_pos, topk_idx)
 
 
-def indexer_scores(q, w, k, q_pos, *, block: int = QUERY_BLOCK, key_block: int | None = None):
+def indexer_scores(q, w, k, q_pos, *, block: int = QUERY_BLOCK, key_block: int = KEY_BLOCK):
     """Lightning-indexer scores (DeepSeek-V3.2, DSA):
 
         I[t, s] = sum_g w[t, g] * relu(q[t, g] . k[s] * I^-0.5),   -inf where s > q_pos[t]
@@ -160,11 +153,11 @@ def indexer_scores(q, w, k, q_pos, *, block: int = QUERY_BLOCK, key_block: int |
     return map_query_blocks(lambda qb, wb, pos: _score_block(qb, wb, pos, k, key_block), block, q, w, q_pos)
 
 
-def _score_block(q, w, pos, k, key_block: int | None):
+def _score_block(q, w, pos, k, key_block: int):
     """indexer_scores of one query block q [B, t, G, I] against all keys k [B, S, I]."""
     num_keys, scale = k.shape[1], q.shape[-1] ** -0.5
     q, w = q.astype(jnp.float32), w.astype(jnp.float32)
-    size = _key_block_size(key_block, q.shape[1], num_keys)
+    size = min(key_block, num_keys)
 
     def step(j, start, fresh, out):  # an overlapping last block rewrites equal scores
         k_j = jax.lax.dynamic_slice_in_dim(k, start, size, 1)
@@ -189,7 +182,7 @@ def indexer_topk(q, w, k, q_pos, *, topk: int, block: int = QUERY_BLOCK):
     k = k.astype(jnp.float32)
 
     def one_block(qb, wb, pos):
-        return select_topk(_score_block(qb, wb, pos, k, None), topk)
+        return select_topk(_score_block(qb, wb, pos, k, KEY_BLOCK), topk)
 
     return map_query_blocks(one_block, block, q, w, q_pos)
 
