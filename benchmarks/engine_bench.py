@@ -1,0 +1,316 @@
+"""The rollout engine, measured: decode throughput against transformers, MTP speculation,
+router utilisation and the cost of publishing weights. All in one run, JSON out.
+
+    python benchmarks/engine_bench.py --out results/engine_bench.json
+
+* decode: configs/small.py (random weights, no MTP layer), written by
+  glmjax.save_pretrained and read by transformers, fp32 on both sides. The same workload
+  for both: `batch` prompts of 64 tokens, greedy, --new-tokens each; transformers'
+  `generate` vs glmjax's Driver (continuous batching, all requests submitted at once,
+  prefill included). Also the share of greedy tokens on which the two agree, and the
+  ratio to transformers' figures on a quiet machine (HF_QUIET_TOKENS_PER_S).
+* mtp: configs/tiny.py trained --mtp-steps steps on the two-lag Markov corpus of
+  glmjax/train.py (LM + depth-1 MTP loss + the DSA sparse stage); then, per draft mode
+  ("own" MTP cache, "shared" main-model latents and top-k: rl/speculative.py), a copy
+  whose MTP layer is fine-tuned --draft-steps steps to draft recursively at depths 1..5
+  (`mtp_draft_logits`). Greedy decoding of held-out prompts at batch 1 with 5 drafts:
+  accepted drafts per step (0..5; tokens per step is that plus one) and tokens/s against
+  the same engine without drafts.
+* router: two tiny engines of 8 slots; requests with log-normal lengths; utilisation =
+  busy slot-seconds / (slots x makespan), through the router (continuous batching,
+  dispatch on free capacity) and with a static schedule (requests split round-robin in
+  advance, run in batches of 8 that each wait for their longest member). The router's
+  figure also up to the moment its queue empties (`_while_queued`): after that the
+  workload drains, whatever the scheduler.
+* publish: WeightStore.publish of the tiny and the small model's parameters.
+Decode times are the best of --repeats runs on each side (the machine is shared);
+publish times are medians. Nothing here asserts on time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+import os
+import pathlib
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+import glmjax  # noqa: E402
+from glmjax import presets, train  # noqa: E402
+from rl.driver import Driver, Request  # noqa: E402
+from rl.engine import GlmEngine  # noqa: E402
+from rl.router import Router  # noqa: E402
+from rl.speculative import mtp_draft_logits  # noqa: E402
+from rl.weights import WeightStore  # noqa: E402
+
+PROMPT_LEN = 64
+# transformers' greedy generate on configs/small.py, tokens/s, measured on this 2-core machine
+# when it was quiet (shared/notes/ecosystem.md). Under load transformers slows far more
+# than glmjax does, so the same-run ratio flatters glmjax; both ratios are reported.
+HF_QUIET_TOKENS_PER_S = {1: 18.0, 8: 56.0, 64: 93.0}
+
+
+def _config(name: str, **changes) -> glmjax.ModelConfig:
+    return presets.model_config_from(presets.load_config(REPO / "configs" / f"{name}.py")).replace(**changes)
+
+
+def _run(driver: Driver, requests) -> tuple[list, float]:
+    start = time.perf_counter()
+    handles = [driver.submit(r) for r in requests]
+    driver.run_until_idle()
+    return [h.result() for h in handles], time.perf_counter() - start
+
+
+# Decode against transformers -----------------------------------------------------------
+def bench_decode(args, results: dict) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    config = _config("small", num_nextn_predict_layers=0)
+    model = glmjax.init_model(config, seed=0)
+    with tempfile.TemporaryDirectory() as tmp:
+        glmjax.save_pretrained(model, tmp)
+        hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    rng = np.random.default_rng(0)
+    n = args.new_tokens
+    for b in args.batches:
+        prompts = rng.integers(2, config.vocab_size, (b, PROMPT_LEN))
+        engine = GlmEngine(model, max_concurrent_decodes=b, max_len=PROMPT_LEN + n + 1, prefill_buckets=(PROMPT_LEN,))
+        driver = Driver(engine)
+        requests = [Request(list(map(int, p)), n) for p in prompts]
+        _run(driver, requests)  # compile
+        ours, t_ours = min((_run(driver, requests) for _ in range(args.repeats)), key=lambda r: r[1])
+
+        tp = torch.tensor(prompts)
+        kw = dict(attention_mask=torch.ones_like(tp), do_sample=False, pad_token_id=0)
+        with torch.no_grad():
+            hf.generate(tp, max_new_tokens=2, min_new_tokens=2, **kw)  # warm-up
+            t_hf = math.inf
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                hf_out = hf.generate(tp, max_new_tokens=n, min_new_tokens=n, **kw)
+                t_hf = min(t_hf, time.perf_counter() - start)
+        hf_tokens = hf_out[:, PROMPT_LEN:].numpy()
+        agree = np.mean([np.mean(np.array(r.tokens) == h) for r, h in zip(ours, hf_tokens)])
+        results[f"decode_b{b}_tokens_per_s"] = b * n / t_ours
+        results[f"hf_decode_b{b}_tokens_per_s"] = b * n / t_hf
+        results[f"decode_b{b}_speedup_vs_hf"] = t_hf / t_ours
+        results[f"decode_b{b}_greedy_agreement_with_hf"] = float(agree)
+        if b in HF_QUIET_TOKENS_PER_S:
+            results[f"decode_b{b}_speedup_vs_hf_quiet_figure"] = b * n / t_ours / HF_QUIET_TOKENS_PER_S[b]
+        print(f"decode b{b}: glmjax {b * n / t_ours:8.1f} tok/s   transformers {b * n / t_hf:8.1f} tok/s   "
+              f"speedup {t_hf / t_ours:.2f}x   greedy agreement {agree:.3f}", flush=True)
+
+
+# MTP speculation -------------------------------------------------------------------------
+@functools.partial(nnx.jit, static_argnames=("depth", "mode"))
+def _draft_step(model, optimizer, batch, *, depth, mode):
+    """One step on the drafting loss at depths 1..depth (rl/speculative.py), for the
+    variables the optimizer holds: the mean cross entropy of every depth."""
+
+    def loss(m):
+        ids, mask = batch["input_ids"], batch["loss_mask"]
+        logits = mtp_draft_logits(m, ids, depth, mode)
+        return sum(train.lm_loss(lg[:, :-1], ids[:, j + 2:], mask[:, j + 2:])[0] for j, lg in enumerate(logits)) / depth
+
+    value, grads = nnx.value_and_grad(loss, argnums=nnx.DiffState(0, optimizer.wrt))(model)
+    optimizer.update(model, grads)
+    return value
+
+
+def bench_mtp(args, results: dict) -> None:
+    cfg = presets.load_config(REPO / "configs" / "tiny.py")
+    config, tc = presets.model_config_from(cfg), dict(cfg.train.to_dict(), steps=args.mtp_steps)
+    corpus = train.synthetic_corpus(config.vocab_size, tc["seq_len"], tc["steps"] * tc["batch_size"] + 64, 0)
+    data = train.batches(corpus.tokens[:-64], tc["batch_size"], 0)
+    model = glmjax.init_model(config, seed=0)
+    start = time.perf_counter()
+    optimizer = train.make_optimizer(tc, model, trainable=train.TRAINABLE["sparse"])
+    history = train.fit(model, optimizer, data, tc["steps"], mtp_weight=tc["mtp_loss_weight"], indexer_stage="sparse",
+                        desc="train (LM + MTP)")
+    metrics = train.eval_step(model, {"input_ids": jnp.asarray(corpus.tokens[-64:]),
+                                      "loss_mask": jnp.ones((64, tc["seq_len"]))}, mtp_weight=0.3)
+    results["mtp_train"] = {"steps": tc["steps"], "seconds": time.perf_counter() - start, "loss": history[-1],
+                            "heldout_mtp_accuracy": float(metrics["mtp_accuracy"]),
+                            "heldout_accuracy": float(metrics["accuracy"]), "corpus_entropy": corpus.entropy}
+
+    # The MTP layer drafts recursively at serving time (its output hidden fed back), so it
+    # is fine-tuned at every depth, per draft mode; the main model stays as trained.
+    only_mtp = nnx.All(nnx.Param, nnx.PathContains("mtp"), nnx.Not(nnx.PathContains("indexer")))
+    drafters = {}
+    for mode in ("own", "shared"):
+        m = nnx.clone(model)
+        opt = train.make_optimizer(dict(tc, steps=args.draft_steps), m, trainable=only_mtp)
+        start = time.perf_counter()
+        losses = [float(_draft_step(m, opt, next(data), depth=args.num_draft, mode=mode))
+                  for _ in range(args.draft_steps)]
+        results["mtp_train"][f"draft_finetune_{mode}"] = {"steps": args.draft_steps, "loss_first": losses[0],
+                                                          "loss_last": losses[-1],
+                                                          "seconds": time.perf_counter() - start}
+        drafters[mode] = m
+
+    prompts = [list(map(int, row[:16])) for row in corpus.tokens[-args.mtp_prompts:]]
+    max_len = 16 + args.mtp_new_tokens + 8
+    requests = [Request(p, args.mtp_new_tokens) for p in prompts]
+
+    def measure(m, num_draft, mode="own"):
+        engine = GlmEngine(m, max_concurrent_decodes=1, max_len=max_len, prefill_buckets=(16,), num_draft=num_draft,
+                           mtp_mode=mode)
+        driver = Driver(engine)
+        _run(driver, requests[:1])  # compile
+        driver.stats.clear()
+        times, outs = [], []
+        for r in requests:  # batch 1: one request at a time
+            out, t = _run(driver, [r])
+            outs.append(out[0].tokens)
+            times.append(t)
+        steps = driver.stats["busy_slot_steps"]
+        return outs, sum(len(o) for o in outs) / sum(times), driver.stats["accepted_drafts"] / steps
+
+    plain, plain_tps, _ = measure(model, 0)
+    results["mtp_plain_b1_tokens_per_s"] = plain_tps
+    results["mtp_plain_rule_accuracy"] = train.rule_accuracy(corpus, np.array([p + o for p, o in zip(prompts, plain)]),
+                                                             start=16)
+    for mode, m in drafters.items():
+        outs, tps, accepted = measure(m, args.num_draft, mode)
+        key = "" if mode == "own" else "_shared"
+        results[f"mtp_accept_len{key}"] = accepted
+        results[f"mtp_tokens_per_step{key}"] = accepted + 1
+        results[f"mtp_b1_tokens_per_s{key}"] = tps
+        results[f"mtp_speedup_b1{key}"] = tps / plain_tps
+        results[f"mtp_greedy_identical{key}"] = outs == plain
+        print(f"mtp {mode:6s}: {accepted:.2f} of {args.num_draft} drafts accepted per step, {tps:7.1f} tok/s "
+              f"vs {plain_tps:7.1f} plain = {tps / plain_tps:.2f}x, identical greedy output: {outs == plain}",
+              flush=True)
+
+
+# Router utilisation ----------------------------------------------------------------------
+def _utilisation(drivers, start, end) -> float:
+    busy = sum((min(t1, end) - max(t0, start)) * n for d in drivers for t0, t1, n in d.trace if t1 > start)
+    return busy / (sum(d.capacity for d in drivers) * (end - start))
+
+
+def bench_router(args, results: dict) -> None:
+    config = _config("tiny")
+    model = glmjax.init_model(config, seed=0)
+    rng = np.random.default_rng(1)
+    lengths = np.clip(np.round(rng.lognormal(np.log(args.router_median), args.router_sigma, args.router_requests)),
+                      2, 200).astype(int)
+    requests = [Request(list(map(int, rng.integers(0, config.vocab_size, rng.integers(8, 25)))), int(n))
+                for n in lengths]
+    slots = 8
+    drivers = [Driver(GlmEngine(model, max_concurrent_decodes=slots, max_len=240, prefill_buckets=(32,)),
+                      record_trace=True) for _ in range(2)]
+    for d in drivers:
+        d.engine.warmup()  # every prefill batch size: the router admits 1, 2, 4 or 8 at a time
+
+    def fresh():
+        for d in drivers:
+            d.trace.clear()
+
+    fresh()
+    for d in drivers:
+        d.start()
+    router = Router(drivers)
+    start = time.perf_counter()
+    handles = [router.submit(r) for r in requests]
+    while router.queued:  # the last request has a slot: from here on the workload drains
+        time.sleep(0.002)
+    queue_empty = time.perf_counter()
+    for h in handles:
+        h.result()
+    end = time.perf_counter()
+    for d in drivers:
+        d.stop()
+    routed, routed_seconds = _utilisation(drivers, start, end), end - start
+    results["router_utilization_while_queued"] = _utilisation(drivers, start, queue_empty)
+
+    fresh()
+    start = time.perf_counter()
+
+    def static(d, share):
+        for i in range(0, len(share), slots):
+            _run(d, share[i:i + slots])
+
+    threads = [threading.Thread(target=static, args=(d, requests[k::2])) for k, d in enumerate(drivers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    static_end = time.perf_counter()
+    static_util = _utilisation(drivers, start, static_end)
+    results.update(router_utilization=routed, static_utilization=static_util, router_seconds=routed_seconds,
+                   static_seconds=static_end - start,
+                   router_workload={"replicas": 2, "slots_each": slots, "requests": len(requests),
+                                    "lognormal_median": args.router_median, "lognormal_sigma": args.router_sigma,
+                                    "mean_new_tokens": float(lengths.mean()), "max_new_tokens": int(lengths.max())})
+    print(f"router utilisation {routed:.3f} ({routed_seconds:.1f} s) vs static {static_util:.3f} "
+          f"({static_end - start:.1f} s)", flush=True)
+
+
+# Publishing weights ----------------------------------------------------------------------
+def bench_publish(args, results: dict) -> None:
+    results["publish_ms"] = {}
+    for name in ("tiny", "small"):
+        state = nnx.state(glmjax.init_model(_config(name), seed=0))
+        store = WeightStore(state)
+        times = []
+        for v in range(1, 2001):
+            t = time.perf_counter()
+            store.publish(state, v)
+            times.append(time.perf_counter() - t)
+        size = sum(x.nbytes for x in jax.tree.leaves(state))
+        results["publish_ms"][name] = {"ms": 1e3 * statistics.median(times), "param_bytes": size}
+        print(f"publish {name} ({size / 2**20:.1f} MiB): {1e3 * statistics.median(times):.4f} ms", flush=True)
+
+
+SECTIONS = {"decode": bench_decode, "mtp": bench_mtp, "router": bench_router, "publish": bench_publish}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="where to write the JSON results")
+    parser.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {list(SECTIONS)}")
+    parser.add_argument("--batches", default="8,64")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--num-draft", type=int, default=5)
+    parser.add_argument("--mtp-steps", type=int, default=300)
+    parser.add_argument("--draft-steps", type=int, default=200, help="MTP fine-tuning steps per draft mode")
+    parser.add_argument("--mtp-prompts", type=int, default=6)
+    parser.add_argument("--mtp-new-tokens", type=int, default=96)
+    parser.add_argument("--router-requests", type=int, default=160)
+    parser.add_argument("--router-median", type=float, default=24.0)
+    parser.add_argument("--router-sigma", type=float, default=0.75)
+    args = parser.parse_args(argv)
+    args.batches = [int(b) for b in args.batches.split(",")]
+    results = {"device": f"{jax.devices()[0].device_kind} x{len(jax.devices())}", "machine": platform.processor(),
+               "cpus": os.cpu_count(), "load_average_at_start": os.getloadavg()[0], "new_tokens": args.new_tokens,
+               "num_draft": args.num_draft}
+    for name in args.only.split(","):
+        SECTIONS[name](args, results)
+    results["load_average_at_end"] = os.getloadavg()[0]
+    out = pathlib.Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
