@@ -76,7 +76,8 @@ def _build() -> types.SimpleNamespace:
 
     file_proto = text_format.Parse(_DESCRIPTOR, descriptor_pb2.FileDescriptorProto())
     pool = descriptor_pool.DescriptorPool()
-    file = pool.Add(file_proto) and pool.FindFileByName(file_proto.name)
+    pool.AddSerializedFile(file_proto.SerializeToString())
+    file = pool.FindFileByName(file_proto.name)
     return types.SimpleNamespace(
         **{name: message_factory.GetMessageClass(file.message_types_by_name[name]) for name in _NAMES},
         DESCRIPTOR=file, source="glmjax")
