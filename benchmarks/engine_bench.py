@@ -202,7 +202,7 @@ def bench_mtp(args, results: dict) -> None:
 
 # Router utilisation ----------------------------------------------------------------------
 def _utilisation(drivers, start, end) -> float:
-    busy = sum((min(t1, end) - max(t0, start)) * n for d in drivers for t0, t1, n in d.trace if t1 > start)
+    busy = sum(max(0.0, min(t1, end) - max(t0, start)) * n for d in drivers for t0, t1, n in d.trace)
     return busy / (sum(d.capacity for d in drivers) * (end - start))
 
 
