@@ -118,7 +118,7 @@ def run(cfg, workdir: str) -> dict:
     admission = ro.Admission(rl.batch_size, rl.eta, rl.slots)
     ckpt = LoopCheckpointer(os.path.join(workdir, "checkpoints"), keep=2)
     resumed = ckpt.restore(policy=policy, critic=critic, learner=learner, stream=stream, admission=admission)
-    if resumed:
+    if resumed and resumed["version"] > store.version:  # a run killed before its first update stays at 0
         store.publish(nnx.state(policy), resumed["version"])
     writer = _writer(workdir)
     history = open(os.path.join(workdir, "metrics.jsonl"), "a")
