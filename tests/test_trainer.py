@@ -6,7 +6,6 @@ import pathlib
 import signal
 import subprocess
 import sys
-import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SMALL = ["--config.base.steps=10", "--config.base.demonstrations=200", "--config.task.eval_tasks=8",
@@ -25,6 +24,24 @@ def _env():
                 PYTHONPATH=str(REPO))
 
 
+# The killed run: step 2's checkpoint is awaited, then the process SIGKILLs itself as step 4's
+# checkpoint begins, after step 3 and 4 are logged. One real kill at a fixed point, not a race.
+KILLED = """
+import os, signal, sys
+from rl import cli, trainer
+
+class Dies(trainer.LoopCheckpointer):
+    def save(self, step, **kw):
+        if step == 4:
+            os.kill(os.getpid(), signal.SIGKILL)
+        super().save(step, **kw)
+        self.wait()
+
+trainer.LoopCheckpointer = Dies
+cli.main(sys.argv[1:])
+"""
+
+
 def _metrics(workdir):
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: {k: r.get(k) for k in DETERMINISTIC} for r in rows}
@@ -38,16 +55,10 @@ def test_killed_run_resumes_with_the_same_next_steps(tmp_path):
 
     b.mkdir()
     subprocess.run(["cp", "-r", str(a / "base"), str(b / "base")], check=True)
-    proc = subprocess.Popen(_cmd(b), env=_env(), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 600
-    while not (b / "checkpoints" / "2").is_dir() or not (b / "metrics.jsonl").exists() or \
-            len((b / "metrics.jsonl").read_text().splitlines()) < 3:
-        assert proc.poll() is None and time.time() < deadline, "the run ended before it could be killed"
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    killed_at = max(_metrics(b))
-    assert killed_at < 4
+    killed = subprocess.run([sys.executable, "-c", KILLED, *_cmd(b)[3:]], env=_env(), cwd=REPO, capture_output=True,
+                            timeout=900)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
+    assert max(_metrics(b)) == 4 and sorted(int(p.name) for p in (b / "checkpoints").iterdir()) == [2]
     subprocess.run(_cmd(b), check=True, env=_env(), cwd=REPO, capture_output=True, timeout=900)
     rows = [json.loads(line) for line in (b / "metrics.jsonl").read_text().splitlines()]
     resumed = {r["step"]: {k: r.get(k) for k in DETERMINISTIC} for r in rows}  # a re-run step overwrites
