@@ -3,10 +3,18 @@
 On GPU and TPU this is `jax.lax.ragged_dot` (megablox / Triton grouped GEMM). XLA:CPU
 lowers ragged_dot as a dense product against every group, E times the work, so on a CPU
 the rows are laid out in fixed-size tiles instead, each tile holding rows of one expert
-only (groups padded up to a tile multiple), and the tiles run as one batched matmul
-against their experts' weights. Exact, no dropped rows; padding costs at most E - 1 tiles.
+only (groups padded up to a tile multiple), and a loop runs the tiles one at a time,
+each against its expert's weights read in place. Exact, no dropped rows; padding costs at
+most E - 1 tiles, and tiles past the last group are skipped.
 
-Legend: M sorted rows, D in features, F out features, E groups (experts).
+Why a loop and not one batched matmul: batching the tiles needs their weights gathered
+into [tiles, D, F] first, a copy of every expert's weights per call that costs more than
+the products themselves when a group holds few rows (decoding); a dense pass over all
+experts reads each weight once but does E / X times the work. In the loop each tile reads
+its expert's weights once, straight from the parameter.
+
+Legend: M sorted rows, D in features, F out features, E groups (experts), n tiles, t rows
+per tile.
 """
 
 from __future__ import annotations
@@ -36,6 +44,7 @@ class TiledLayout:
         self.num_tiles = -(-(rows + groups * (tile - 1)) // tile)  # static upper bound
         tile_starts = jnp.arange(self.num_tiles) * tile
         self.tile_group = jnp.minimum(jnp.searchsorted(pad_end, tile_starts, side="right"), groups - 1)
+        self.tile_used = tile_starts < pad_end[-1]  # [n] False for the tiles past the last group
         self.tile, self.rows = tile, rows
 
     def scatter(self, x: jax.Array) -> jax.Array:
@@ -47,12 +56,22 @@ class TiledLayout:
         """[num_tiles, tile, F] -> [M, F] in sorted-row order."""
         return y.reshape(-1, y.shape[-1])[self.dest]
 
-    def matmul(self, x_tiles: jax.Array, w: jax.Array) -> jax.Array:
-        """x_tiles [n, tile, D] times w [E, D, F] of each tile's group -> [n, tile, F]."""
-        return jnp.einsum("ntD,nDF->ntF", x_tiles, w[self.tile_group])
 
+def _swiglu_tiles(layout: TiledLayout, x_tiles, gate, up, down):
+    """x_tiles [n, t, D] -> [n, t, D]: tile i through expert tile_group[i], one tile at a
+    time. Each step is rematerialised in the backward pass, so nothing per tile is kept
+    but its input; the weight gradients accumulate in place."""
 
-DENSE_BELOW_ROWS_PER_EXPERT = 32
+    @jax.checkpoint
+    def one(x, e, used):  # x [t, D]
+        def run(x):
+            h = jax.nn.silu(jnp.einsum("tD,DF->tF", x, gate[e])) * jnp.einsum("tD,DF->tF", x, up[e])
+            return jnp.einsum("tF,FD->tD", h, down[e])
+
+        return jax.lax.cond(used, run, jnp.zeros_like, x)
+
+    _, y = jax.lax.scan(lambda _, xs: (None, one(*xs)), None, (x_tiles, layout.tile_group, layout.tile_used))
+    return y
 
 
 def swiglu_experts(x, experts, weights, gate, up, down):
@@ -62,14 +81,6 @@ def swiglu_experts(x, experts, weights, gate, up, down):
     """
     n, k = experts.shape
     e = gate.shape[0]
-    if jax.default_backend() == "cpu" and e <= n * k < DENSE_BELOW_ROWS_PER_EXPERT * e:
-        # A few rows per expert (batched decoding): nearly every expert's weights are read
-        # anyway, and one dense pass over all of them reads each once, where gathering
-        # them per tile copies them. With fewer rows than experts, gathering reads less.
-        combine = jnp.zeros((n, e), x.dtype).at[jnp.arange(n)[:, None], experts].add(weights.astype(x.dtype))
-        h = jax.nn.silu(jnp.einsum("ND,EDF->NEF", x, gate)) * jnp.einsum("ND,EDF->NEF", x, up)
-        return jnp.einsum("NEF,EFD,NE->ND", h, down, combine)
-
     flat = experts.reshape(-1)  # [N*X] token copies, grouped by expert below
     order = jnp.argsort(flat, stable=True)
     xs = x[order // k]
@@ -79,8 +90,6 @@ def swiglu_experts(x, experts, weights, gate, up, down):
         ys = jax.lax.ragged_dot(h, down, sizes)
     else:
         layout = TiledLayout(sizes, xs.shape[0], tile_size(xs.shape[0], e))
-        x_tiles = layout.scatter(xs)
-        h = jax.nn.silu(layout.matmul(x_tiles, gate)) * layout.matmul(x_tiles, up)
-        ys = layout.gather(layout.matmul(h, down))
+        ys = layout.gather(_swiglu_tiles(layout, layout.scatter(xs), gate, up, down))
     y = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, -1)  # back to token order
     return jnp.einsum("NXD,NX->ND", y, weights.astype(y.dtype))
