@@ -74,10 +74,15 @@ class Admission:
         self.accepted, self.running = int(state["accepted"]), 0
 
 
-def to_batch(trajectories: Sequence[Trajectory], length: int | None = None, pad_id: int = 0) -> sao.Batch:
-    """Right-padded learner arrays [B, T]; T is the longest row (or `length`)."""
+def to_batch(trajectories: Sequence[Trajectory], length: int | None = None, pad_id: int = 0,
+             rows: int | None = None) -> sao.Batch:
+    """Right-padded learner arrays [B, T]; T is the longest row (or `length`), B the number
+    of trajectories (or `rows`: the extra rows are empty, each its own rollout, so a
+    varying number of compacted segments keeps one shape)."""
     t = length or max(tr.length for tr in trajectories)
-    b = len(trajectories)
+    b = rows or len(trajectories)
+    if b < len(trajectories):
+        raise ValueError(f"{len(trajectories)} trajectories do not fit in rows={rows}")
     tokens = np.full((b, t), pad_id, np.int32)
     mask = np.zeros((b, t), np.float32)
     logp = np.zeros((b, t), np.float32)
@@ -93,11 +98,16 @@ def to_batch(trajectories: Sequence[Trajectory], length: int | None = None, pad_
         mask[i, p:p + n] = action
         logp[i, p:p + n] = tr.log_probs
         versions[i, p:p + n] = tr.versions
+    pad = b - len(trajectories)
+    rewards = [tr.reward for tr in trajectories] + [0.0] * pad
+    first_free = max([tr.rollout_id for tr in trajectories], default=-1) + 1
+    rollout_ids = [tr.rollout_id for tr in trajectories] + list(range(first_free, first_free + pad))
+    segments = [tr.segment_index for tr in trajectories] + [0] * pad
     return sao.Batch(
         tokens=jnp.asarray(tokens), action_mask=jnp.asarray(mask), logp_rollout=jnp.asarray(logp),
-        versions=jnp.asarray(versions), rewards=jnp.asarray([tr.reward for tr in trajectories], jnp.float32),
-        values=jnp.zeros((b, t), jnp.float32), rollout_id=jnp.asarray([tr.rollout_id for tr in trajectories]),
-        segment_index=jnp.asarray([tr.segment_index for tr in trajectories], jnp.int32))
+        versions=jnp.asarray(versions), rewards=jnp.asarray(rewards, jnp.float32),
+        values=jnp.zeros((b, t), jnp.float32), rollout_id=jnp.asarray(rollout_ids),
+        segment_index=jnp.asarray(segments, jnp.int32))
 
 
 def encode(text: str) -> list[int]:

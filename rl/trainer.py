@@ -31,6 +31,7 @@ from envs import families
 from glmjax import train as lm_train
 from rl import rollout as ro
 from rl.checkpoint import LoopCheckpointer
+from rl.compaction import Compaction, Rollout, oracle_segments
 from rl.driver import Driver, Request
 from rl.engine import GlmEngine
 from rl.learner import Learner, ValueModel
@@ -40,14 +41,20 @@ log = logging.getLogger(__name__)
 STOP = ro.encode("\n")
 
 
-def demonstrations(tasks, seq_len: int):
-    """SFT arrays: prompt + oracle answer, loss on the answer tokens only."""
-    ids = np.zeros((len(tasks), seq_len), np.int32)
-    mask = np.zeros((len(tasks), seq_len), np.float32)
-    for i, task in enumerate(tasks):
-        p, a = ro.encode(task.prompt), ro.encode(task.oracle())
-        ids[i, :len(p) + len(a)] = p + a
-        mask[i, len(p):len(p) + len(a)] = 1
+def demonstrations(tasks, seq_len: int, compaction: Compaction | None = None):
+    """SFT arrays: prompt + oracle answer, loss on the answer tokens only; with compaction,
+    one row per segment of the oracle's compacted rollout (summaries included)."""
+    rows = [seg for task in tasks
+            for seg in oracle_segments(ro.encode(task.prompt), ro.encode(task.oracle()), compaction)]
+    ids = np.zeros((len(rows), seq_len), np.int32)
+    mask = np.zeros((len(rows), seq_len), np.float32)
+    for i, seg in enumerate(rows):
+        p, n = len(seg.prompt), len(seg.completion)
+        if p + n > seq_len:
+            raise ValueError(f"a demonstration of {p + n} tokens ({ro.decode(seg.prompt + seg.completion)!r}) is "
+                             f"longer than base.seq_len={seq_len}: raise it, or enable rl.compaction")
+        ids[i, :p + n] = seg.prompt + seg.completion
+        mask[i, p:p + n] = 1 - np.asarray(seg.observation_mask, np.float32)
     return ids, mask
 
 
@@ -61,7 +68,7 @@ def build_base(cfg, workdir: str) -> glmjax.GlmForCausalLM:
     model = glmjax.init_model(model_cfg, seed=cfg.base.seed)
     tasks = families.make_tasks(cfg.task.family, cfg.base.demonstrations, seed=cfg.base.seed,
                                 difficulty=cfg.task.difficulty)
-    ids, mask = demonstrations(tasks, cfg.base.seq_len)
+    ids, mask = demonstrations(tasks, cfg.base.seq_len, _compaction(cfg))
     opt = lm_train.make_optimizer(dict(cfg.base), model)
     rng = np.random.default_rng(cfg.base.seed)
     for _ in tqdm(range(cfg.base.steps), desc="base model (SFT)", mininterval=1.0):
@@ -72,12 +79,21 @@ def build_base(cfg, workdir: str) -> glmjax.GlmForCausalLM:
     return model
 
 
-def evaluate(driver: Driver, tasks, max_new_tokens: int) -> float:
-    """Greedy pass rate over tasks."""
-    handles = [driver.submit(Request(ro.encode(t.prompt), max_new_tokens, temperature=0.0, stop_ids=STOP))
-               for t in tasks]
-    driver.run_until_idle()
-    return float(np.mean([t.verify(ro.decode(h.result().tokens)) for t, h in zip(tasks, handles)]))
+def _compaction(cfg) -> Compaction | None:
+    # the engine serves max_len - 1 tokens: it keeps one cache entry for the step's write
+    return Compaction.from_config(cfg.rl.get("compaction"), window=cfg.task.max_len - 1)
+
+
+def evaluate(driver: Driver, tasks, max_new_tokens: int, compaction: Compaction | None = None) -> float:
+    """Greedy pass rate over tasks (compacting, as in training, when configured)."""
+    rollouts = [Rollout(ro.encode(t.prompt), max_new_tokens, compaction=compaction, stop_ids=STOP,
+                        session_id=f"eval-{i}" if compaction else None) for i, t in enumerate(tasks)]
+    while not all(r.done for r in rollouts):
+        handles = [(r, driver.submit(r.request())) for r in rollouts if not r.done]
+        driver.run_until_idle()
+        for r, h in handles:
+            r.receive(h.result())
+    return float(np.mean([t.verify(r.text) for t, r in zip(tasks, rollouts)]))
 
 
 class TaskStream:
@@ -123,57 +139,68 @@ def run(cfg, workdir: str) -> dict:
     writer = _writer(workdir)
     history = open(os.path.join(workdir, "metrics.jsonl"), "a")
 
-    base_rate = resumed["base_pass_rate"] if resumed else evaluate(driver, heldout, cfg.task.max_new_tokens)
+    compaction = _compaction(cfg)
+    base_rate = resumed["base_pass_rate"] if resumed else evaluate(driver, heldout, cfg.task.max_new_tokens,
+                                                                   compaction)
     print(f"base model: held-out pass rate {base_rate:.1%} on {len(heldout)} tasks", flush=True)
 
     driver.start()
     pending, ready, dropped = {}, [], collections.Counter()
     step, rollouts, rng_seed = learner.steps, 0, cfg.seed * 1_000_003
+    rows = rl.batch_size * compaction.max_segments if compaction else None  # one learner shape
     bar = tqdm(total=rl.steps, initial=step, desc="SAO", mininterval=1.0)
     busy = 0.0
     while step < rl.steps:
         group = rl.get("group_size", 1)  # GRPO-style baselines sample G rollouts per prompt
         while admission.capacity(store.version) >= group:
             task = next(stream)
-            prompt = ro.encode(task.prompt)
             for _ in range(group):
                 rid = admission.accepted + admission.running
-                h = driver.submit(Request(prompt, cfg.task.max_new_tokens, temperature=rl.temperature,
-                                          seed=rng_seed + rid, stop_ids=STOP))
-                pending[h] = (task, prompt, rid)
+                r = Rollout(ro.encode(task.prompt), cfg.task.max_new_tokens, compaction=compaction, stop_ids=STOP,
+                            temperature=rl.temperature, seed=rng_seed + rid,
+                            session_id=f"rollout-{rid}" if compaction else None)
+                pending[driver.submit(r.request())] = (task, r, rid)
                 admission.started()
         for h in [h for h in pending if h.done()]:
-            task, prompt, rid = pending.pop(h)
-            res = h.result()
-            if res.finish_reason == "error":
+            task, r, rid = pending.pop(h)
+            r.receive(h.result())
+            if not r.done:  # compaction: the summary, or the next segment
+                pending[driver.submit(r.request())] = (task, r, rid)
+                continue
+            if r.finish_reason == "error":
                 admission.finished(False)
                 dropped["error"] += 1
                 continue
-            tr = ro.Trajectory(prompt, res.tokens, res.log_probs, res.versions, task.verify(ro.decode(res.tokens)),
-                               rollout_id=rid, task_id=task.id, difficulty=task.difficulty)
-            keep = tr.staleness(store.version) <= rl.tau
+            segments = r.trajectories(task.verify(r.text), rid, task_id=task.id, difficulty=task.difficulty)
+            keep = max(tr.staleness(store.version) for tr in segments) <= rl.tau
             admission.finished(keep)
             dropped["stale"] += not keep
             if keep:
-                ready.append(tr)
+                ready.append(segments)
         if len(ready) < rl.batch_size:
             time.sleep(0.002)
             continue
-        ready.sort(key=lambda tr: tr.rollout_id)  # admission order, not finishing order: replayable
-        batch, ready = ready[:rl.batch_size], ready[rl.batch_size:]
+        ready.sort(key=lambda segments: segments[0].rollout_id)  # admission order, not finishing order: replayable
+        batch, ready = [tr for segments in ready[:rl.batch_size] for tr in segments], ready[rl.batch_size:]
         t0 = time.time()
-        groups = np.unique([tr.task_id for tr in batch], return_inverse=True)[1] if group > 1 else None
-        metrics = learner.step(ro.to_batch(batch, length=cfg.task.max_len), group_ids=groups)
+        groups = None
+        if group > 1:  # padding rows are groups of their own
+            names = [tr.task_id for tr in batch] + [f"pad-{i}" for i in range((rows or len(batch)) - len(batch))]
+            groups = np.unique(names, return_inverse=True)[1]
+        metrics = learner.step(ro.to_batch(batch, length=cfg.task.max_len, rows=rows), group_ids=groups)
         store.publish(nnx.state(policy))
         busy += time.time() - t0
-        step, rollouts = step + 1, rollouts + len(batch)
+        last = [tr for tr in batch if tr.finish_reason != "compacted"]  # one row per rollout
+        step, rollouts = step + 1, rollouts + len(last)
         staleness = [tr.staleness(store.version - 1) for tr in batch]
-        metrics.update(reward=float(np.mean([tr.reward for tr in batch])), staleness_mean=float(np.mean(staleness)),
+        if compaction:
+            metrics["segments_per_rollout"] = len(batch) / len(last)
+        metrics.update(reward=float(np.mean([tr.reward for tr in last])), staleness_mean=float(np.mean(staleness)),
                        learner_busy_fraction=busy / max(time.time() - start, 1e-9))
         for k, v in metrics.items():
             writer.add_scalar(f"train/{k}", v, step)
         history.write(json.dumps({"step": step, "version": store.version, "time": time.time() - start,
-                                  "tasks": [tr.task_id for tr in batch], **metrics}) + "\n")
+                                  "tasks": [tr.task_id for tr in last], **metrics}) + "\n")
         history.flush()
         writer.add_histogram("train/staleness", np.asarray(staleness), step)
         bar.update(1)
@@ -188,7 +215,7 @@ def run(cfg, workdir: str) -> dict:
     ckpt.wait()
 
     final_rate = evaluate(Driver(GlmEngine(policy, max_concurrent_decodes=rl.slots, max_len=cfg.task.max_len)),
-                          heldout, cfg.task.max_new_tokens)
+                          heldout, cfg.task.max_new_tokens, compaction)
     summary = {"base_pass_rate": base_rate, "final_pass_rate": final_rate, "steps": step, "rollouts": rollouts,
                "algorithm": rl.algorithm, "eta": rl.eta, "dropped": dict(dropped), "heldout_tasks": len(heldout),
                "wall_seconds": time.time() - start, "learner_busy_fraction": busy / (time.time() - start),

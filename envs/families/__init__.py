@@ -13,7 +13,7 @@ seeds. ``difficulty=None`` cycles 1, 2, ..., 5.
 
 Text families (``TextTask``, one prompt -> one short answer ending in ``"\\n"``, for a tiny
 byte-level model; ``envs/families/procedural.py``): ``arithmetic`` (``"12+7="`` ->
-``"19\\n"``), ``sorting``, ``strings``, ``program``. Score a completion with
+``"19\\n"``), ``sorting``, ``strings``, ``program``, ``counting``. Score a completion with
 ``task.verify(completion)``; ``task.oracle()`` is the reference completion.
 
 Sandboxed families (``HarborTask``, run by ``envs.shell.ShellEnv``): ``terminal``
