@@ -102,12 +102,13 @@ def main(argv=None):
     config = presets.model_config_from(presets.load_config(str(REPO / "configs" / "small.py"))).replace(
         num_nextn_predict_layers=0)
     results = {"config": "configs/small.py", "batch": args.batch, "seq": args.seq, "devices": len(jax.devices()),
-               "meshes": {}}
+               "repeats": args.repeats, "load_average_start": os.getloadavg()[0], "meshes": {}}
     for name, sizes in MESHES.items():
         r = bench_mesh(config, sizes, args.batch, args.seq, args.repeats)
         results["meshes"][name] = r
         print(f"{name:24s} step {r['step_s'] * 1e3:8.1f} ms   MoE {r['moe_s'] * 1e3:8.1f} ms "
               f"({100 * r['moe_share']:.0f}%)", flush=True)
+    results["load_average_end"] = os.getloadavg()[0]  # the 8 devices share the host's cores with whatever else runs
     base = results["meshes"]["data8"]["step_s"]
     for r in results["meshes"].values():
         r["relative_step_time"] = r["step_s"] / base
