@@ -59,14 +59,16 @@ class TiledLayout:
 
 def _swiglu_tiles(layout: TiledLayout, x_tiles, gate, up, down):
     """x_tiles [n, t, D] -> [n, t, D]: tile i through expert tile_group[i], one tile at a
-    time. Each step is rematerialised in the backward pass, so nothing per tile is kept
-    but its input; the weight gradients accumulate in place."""
+    time, its weights converted to x's dtype there (so stored bf16 or quantized weights
+    are read at their own size). Each step is rematerialised in the backward pass, so
+    nothing per tile is kept but its input; the weight gradients accumulate in place."""
 
     @jax.checkpoint
     def one(x, e, used):  # x [t, D]
         def run(x):
-            h = jax.nn.silu(jnp.einsum("tD,DF->tF", x, gate[e])) * jnp.einsum("tD,DF->tF", x, up[e])
-            return jnp.einsum("tF,FD->tD", h, down[e])
+            w = lambda p: p[e].astype(x.dtype)  # noqa: E731
+            h = jax.nn.silu(jnp.einsum("tD,DF->tF", x, w(gate))) * jnp.einsum("tD,DF->tF", x, w(up))
+            return jnp.einsum("tF,FD->tD", h, w(down))
 
         return jax.lax.cond(used, run, jnp.zeros_like, x)
 
@@ -77,7 +79,9 @@ def _swiglu_tiles(layout: TiledLayout, x_tiles, gate, up, down):
 def swiglu_experts(x, experts, weights, gate, up, down):
     """sum_x weights[n, x] * down_e(silu(x_n gate_e) * (x_n up_e)) with e = experts[n, x].
 
-    x [N, D]; experts, weights [N, X]; gate, up [E, D, F]; down [E, F, D]. Returns [N, D].
+    x [N, D]; experts, weights [N, X]; gate, up [E, D, F]; down [E, F, D], in any stored
+    dtype (or anything with `[e]` and `.astype`, such as rl/quant.py's Quantized); the
+    products run in x's dtype. Returns [N, D].
     """
     n, k = experts.shape
     e = gate.shape[0]
@@ -86,6 +90,7 @@ def swiglu_experts(x, experts, weights, gate, up, down):
     xs = x[order // k]
     sizes = jnp.zeros((e,), jnp.int32).at[flat].add(1)
     if jax.default_backend() != "cpu":
+        gate, up, down = (w.astype(x.dtype) for w in (gate, up, down))
         h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, sizes)) * jax.lax.ragged_dot(xs, up, sizes)
         ys = jax.lax.ragged_dot(h, down, sizes)
     else:

@@ -95,8 +95,7 @@ class Experts(nnx.Module):
 
     def __call__(self, x: jax.Array, routing: Routing) -> jax.Array:
         """x [N, D] -> sum over each token's experts of weight * expert(x), [N, D]."""
-        w = lambda p: p[...].astype(x.dtype)  # noqa: E731
-        return swiglu_experts(x, routing.experts, routing.weights, w(self.gate), w(self.up), w(self.down))
+        return swiglu_experts(x, routing.experts, routing.weights, self.gate[...], self.up[...], self.down[...])
 
 
 class MoE(nnx.Module):
