@@ -3,9 +3,11 @@
     glmjax-train --config configs/sao_tiny.py --workdir /tmp/sao       # SAO post-training
     glmjax-train --config configs/tiny.py --workdir /tmp/lm            # language-model training
     glmjax-train --config configs/sao_tiny.py --workdir /tmp/sao --config.rl.eta=2
+    glmjax-train --config configs/opd_tiny.py --workdir /tmp/opd       # multi-teacher distillation
 
-A config with an `rl` section runs the RL loop (rl/trainer.py); one with only `model` and
-`train` trains the language model (glmjax/cli.py). `--config.a.b=value` overrides a field.
+A config with an `rl` section runs the RL loop (rl/trainer.py); one with an `opd` section
+the on-policy distillation job (rl/opd_trainer.py); one with only `model` and `train`
+trains the language model (glmjax/cli.py). `--config.a.b=value` overrides a field.
 """
 
 from __future__ import annotations
@@ -27,6 +29,11 @@ def main(argv=None):
         parser.error(f"unrecognised arguments {bad}: overrides are written --config.a.b=value")
     path, _, arg = args.config.partition(":")
     cfg = presets.load_config(path, overrides, arg or None)
+    if "opd" in cfg:
+        logging.basicConfig(level=logging.WARNING)
+        from rl import opd_trainer
+
+        return opd_trainer.run(cfg, args.workdir)
     if "rl" not in cfg:
         return lm_cli.train_main(argv)
     logging.basicConfig(level=logging.WARNING)

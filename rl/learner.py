@@ -132,10 +132,13 @@ class Learner:
     rollouts' sampling temperature (the policy's log-probs are taken at it).
     """
 
-    def __init__(self, policy: GlmForCausalLM, critic: ValueModel | None, cfg: Mapping[str, Any]):
+    def __init__(self, policy: GlmForCausalLM, critic: ValueModel | None, cfg: Mapping[str, Any], *,
+                 external_advantages: bool = False):
+        """external_advantages: the caller passes `advantages` to every `step` (on-policy
+        distillation, rl/opd.py), so no value model is needed or trained."""
         if cfg["algorithm"] not in ALGORITHMS:
             raise ValueError(f"rl.algorithm={cfg['algorithm']!r} is invalid: expected one of {ALGORITHMS}")
-        needs_critic = cfg["algorithm"] in ("sao", "ppo")
+        needs_critic = cfg["algorithm"] in ("sao", "ppo") and not external_advantages
         if needs_critic and critic is None:
             raise ValueError(f"rl.algorithm={cfg['algorithm']!r} needs a value model")
         self.cfg = dict(cfg)
@@ -148,6 +151,7 @@ class Learner:
             if cfg.get("freeze_critic_attention", False):
                 wrt = nnx.All(wrt, nnx.Not(nnx.PathContains("attn")))
             self.critic_opt = _optimizer(self.critic, cfg["critic_lr"], clip, wrt)
+        self.external_advantages = external_advantages
         self.steps = 0
         self.skipped = 0
         self._loss_keys = tuple(sorted((k, v) for k, v in self.cfg.items() if k in ("algorithm", "eps_low",
@@ -174,14 +178,23 @@ class Learner:
                                clipped=self.cfg["algorithm"] == "ppo")
         return aux
 
-    def step(self, batch: sao.Batch, group_ids=None) -> dict:
+    def step(self, batch: sao.Batch, group_ids=None, advantages=None) -> dict:
         """One update; returns host-side metrics (floats). A batch with non-finite rewards
-        or rollout log-probs, or whose gradients are not finite, changes nothing."""
+        or rollout log-probs, or whose gradients are not finite, changes nothing.
+        advantages [B, T]: the caller's own, in place of the configured algorithm's (only
+        with `external_advantages`)."""
+        if (advantages is not None) != self.external_advantages:
+            raise ValueError(f"Learner.step: expected advantages={'[B, T]' if self.external_advantages else 'None'} "
+                             f"(external_advantages={self.external_advantages}), got "
+                             f"{'None' if advantages is None else 'an array'}")
         mask = np.asarray(batch.action_mask) > 0
         if not (np.isfinite(np.asarray(batch.rewards)).all() and np.isfinite(np.asarray(batch.logp_rollout)[mask]).all()):
             self.skipped += 1
             return {"skipped_nonfinite": 1.0}
-        adv, returns, batch = self.advantages(batch, group_ids)
+        if advantages is None:
+            adv, returns, batch = self.advantages(batch, group_ids)
+        else:
+            adv, returns = jnp.asarray(advantages, jnp.float32), None
         metrics = {}
         if self.critic is not None:
             metrics.update(self.critic_update(batch, returns))

@@ -1,0 +1,43 @@
+"""opd_tiny: multi-teacher on-policy distillation of the tiny model, on a CPU.
+
+    glmjax-train --config configs/opd_tiny.py --workdir /tmp/glmjax-opd
+    glmjax-train --config configs/opd_tiny.py --workdir /tmp/glmjax-opd-cold --config.opd.prefetch=False
+    glmjax-train --config configs/opd_tiny.py --workdir /tmp/glmjax-opd-topk --config.opd.topk=8
+
+Two specialists, each supervised on one task family ("sort 9 3 7=" -> "3 7 9\\n";
+"rev omp=" -> "pmo\\n"), are the teachers of their family's domain. The student, the same
+tiny model, gets a short supervised start on both families and is then distilled on
+mixed prompts: it samples, the teacher of each prompt's domain scores its tokens (per-token
+reverse KL), and it trains on that signal through SAO's importance-weighted loss. The
+teachers are orbax checkpoints in the workdir; only the active one is on the device, the
+next one is prefetched while the student samples. rl/opd_trainer.py is the job.
+"""
+
+import os
+
+import ml_collections
+
+from glmjax.presets import load_config
+
+
+def get_config(arg=None):
+    del arg
+    config = ml_collections.ConfigDict()
+    config.model = load_config(os.path.join(os.path.dirname(os.path.abspath(__file__)), "tiny.py")).model
+    config.model.max_position_embeddings = 64
+    config.seed = 0
+    config.task = ml_collections.ConfigDict(dict(seed=0, train_tasks=800, eval_tasks=100, max_len=24,
+                                                 max_new_tokens=10))
+    config.teachers = ml_collections.ConfigDict(dict(
+        sorter=dict(family="sorting", difficulty=1, steps=150, demonstrations=800),
+        speller=dict(family="strings", difficulty=1, steps=400, demonstrations=3000)))
+    config.teacher_sft = ml_collections.ConfigDict(dict(
+        demonstrations=800, steps=150, batch_size=64, seq_len=24, learning_rate=3e-3, warmup=20, mtp_weight=0.3,
+        seed=0))
+    config.student = ml_collections.ConfigDict(dict(
+        demonstrations=800, steps=150, batch_size=64, seq_len=24, learning_rate=3e-3, warmup=20, mtp_weight=0.3,
+        seed=1))
+    config.opd = ml_collections.ConfigDict(dict(
+        rounds=10, batches_per_round=4, batch_size=32, slots=64, temperature=1.0, kl_coef=1.0, outcome_weight=0.0,
+        topk=0, topk_weight=1.0, eps_low=0.2, eps_high=4.0, actor_lr=1e-3, grad_clip=1.0, prefetch=True))
+    return config

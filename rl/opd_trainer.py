@@ -1,0 +1,246 @@
+"""The multi-teacher on-policy distillation job: specialists in, one student out.
+
+    glmjax-train --config configs/opd_tiny.py --workdir /tmp/opd
+
+  1. teachers: one specialist per task family, supervised on that family's demonstrations
+     (rl/trainer.py's `build_base`, cached in workdir/teachers/NAME/base) and saved as an
+     orbax teacher checkpoint (workdir/teachers/NAME/checkpoint); each is evaluated on its
+     domain's held-out tasks;
+  2. student: a short supervised start on demonstrations of every domain (cached in
+     workdir/student_base), evaluated on each domain;
+  3. OPD rounds: draw `batches_per_round` x `batch_size` prompts from the mixed stream;
+     the scheduler groups them by teacher, the active teacher's group first; for each
+     group, the next teacher is prefetched while the student samples the group's answers,
+     then the teacher scores the student's tokens; the round's rollouts are then trained
+     on in mixed batches, in draw order, with the OPD advantages (rl/opd.py) through SAO's
+     importance-weighted loss; every update is published to the engine's WeightStore;
+  4. the student is evaluated on each domain again; workdir/summary.json, metrics.jsonl
+     and a table of teacher / student pass rates per domain.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+import glmjax
+from envs import families
+from glmjax import train as lm_train
+from rl import opd
+from rl import rollout as ro
+from rl import trainer
+from rl.driver import Driver, Request
+from rl.engine import GlmEngine
+from rl.learner import Learner
+from rl.teachers import TeacherRegistry, TeacherSpec, TeacherSwitcher, order_by_teacher, save_teacher
+from rl.weights import WeightStore
+
+log = logging.getLogger(__name__)
+
+
+def domain_of(task) -> str:
+    """A text task's domain: its family."""
+    return task.metadata["family"]
+
+
+def _family_config(cfg, family: str, difficulty: int, base) -> ml_collections.ConfigDict:
+    """The single-family config that `trainer.build_base` reads."""
+    return ml_collections.ConfigDict(dict(
+        model=cfg.model, rl={}, base=base,
+        task=dict(family=family, difficulty=difficulty, max_len=cfg.task.max_len)))
+
+
+def build_teachers(cfg, workdir: str) -> TeacherRegistry:
+    """Each specialist supervised on its family and saved as a teacher checkpoint (cached)."""
+    specs = []
+    for name, t in sorted(cfg.teachers.items()):
+        root = os.path.join(workdir, "teachers", name)
+        path = os.path.join(root, "checkpoint")
+        if not os.path.exists(os.path.join(path, "config.json")):
+            sft = ml_collections.ConfigDict(cfg.teacher_sft.to_dict())
+            sft.update({k: t[k] for k in ("steps", "demonstrations") if k in t})  # per-family budgets
+            model = trainer.build_base(_family_config(cfg, t.family, t.difficulty, sft), root)
+            save_teacher(model, path)
+        specs.append(TeacherSpec(name, path, (t.family,)))
+    return TeacherRegistry(specs)
+
+
+def build_student(cfg, workdir: str) -> glmjax.GlmForCausalLM:
+    """The student's supervised start on every domain's demonstrations, cached in workdir."""
+    path = os.path.join(workdir, "student_base")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return glmjax.from_pretrained(path)
+    s = cfg.student
+    model = glmjax.init_model(glmjax.presets.model_config_from(cfg), seed=s.seed)
+    tasks = [task for t in cfg.teachers.values()
+             for task in families.make_tasks(t.family, s.demonstrations, seed=s.seed, difficulty=t.difficulty)]
+    ids, mask = trainer.demonstrations(tasks, s.seq_len)
+    opt = lm_train.make_optimizer(dict(s), model)
+    rng = np.random.default_rng(s.seed)
+    for _ in tqdm(range(s.steps), desc="student (SFT)", mininterval=1.0):
+        idx = rng.integers(0, len(ids), s.batch_size)
+        lm_train.train_step(model, opt, {"input_ids": ids[idx], "loss_mask": mask[idx]}, mtp_weight=s.mtp_weight)
+    glmjax.save_pretrained(model, path)
+    return model
+
+
+def heldout_tasks(cfg) -> dict[str, list]:
+    return {t.family: families.make_tasks(t.family, cfg.task.eval_tasks, seed=cfg.task.seed + 1, split="heldout",
+                                          difficulty=t.difficulty)
+            for t in cfg.teachers.values()}
+
+
+def mixed_train_tasks(cfg) -> list:
+    """Every domain's training tasks, interleaved (the stream shuffles them anyway)."""
+    per = [families.make_tasks(t.family, cfg.task.train_tasks, seed=cfg.task.seed, difficulty=t.difficulty)
+           for _, t in sorted(cfg.teachers.items())]
+    return [task for group in zip(*per) for task in group]
+
+
+def pass_rates(model, tasks_by_domain, cfg) -> dict[str, float]:
+    driver = Driver(GlmEngine(model, max_concurrent_decodes=cfg.opd.slots, max_len=cfg.task.max_len))
+    return {d: trainer.evaluate(driver, tasks, cfg.task.max_new_tokens) for d, tasks in tasks_by_domain.items()}
+
+
+class Scorer:
+    """Teacher log-probs for a round's rollouts: grouped by teacher, each group sampled while
+    its teacher is prefetched, then scored by it (the module docstring's step 3)."""
+
+    def __init__(self, registry: TeacherRegistry, switcher: TeacherSwitcher, driver: Driver, cfg):
+        self.registry, self.switcher, self.driver, self.cfg = registry, switcher, driver, cfg
+
+    def rollouts(self, tasks, first_id: int, seed: int):
+        """Trajectories [len(tasks)] and teacher outputs, in the order of `tasks`."""
+        o, t = self.cfg.opd, self.cfg.task
+        names = [self.registry.route(domain_of(task)) for task in tasks]
+        trajectories, teacher = [None] * len(tasks), [None] * len(tasks)
+        for name, idx in order_by_teacher(names, self.switcher.active):
+            self.switcher.prefetch(name)  # loads while the student samples this group
+            handles = [self.driver.submit(Request(ro.encode(tasks[i].prompt), t.max_new_tokens,
+                                                  temperature=o.temperature, seed=seed + first_id + i,
+                                                  stop_ids=trainer.STOP)) for i in idx]
+            self.driver.run_until_idle()
+            group = []
+            for i, h in zip(idx, handles):
+                res, task = h.result(), tasks[i]
+                group.append(ro.Trajectory(ro.encode(task.prompt), res.tokens, res.log_probs, res.versions,
+                                           task.verify(ro.decode(res.tokens)), rollout_id=first_id + i,
+                                           task_id=task.id, difficulty=task.difficulty))
+            tokens = ro.to_batch(group, length=t.max_len).tokens
+            scores = self.switcher.score(name, tokens, o.temperature, o.topk)
+            scores = scores if o.topk else (scores,)
+            for j, i in enumerate(idx):
+                trajectories[i] = group[j]
+                teacher[i] = tuple(np.asarray(x[j]) for x in scores)
+        return trajectories, teacher
+
+
+def train_batch(learner: Learner, trajectories, teacher, domain_ids, cfg) -> dict:
+    """One OPD update on a mixed batch; returns host-side metrics."""
+    o = cfg.opd
+    batch = ro.to_batch(trajectories, length=cfg.task.max_len)
+    logp_teacher = jnp.asarray(np.stack([x[0] for x in teacher]))
+    outcome = opd.outcome_advantages(batch.rewards, jnp.asarray(domain_ids), batch.action_mask)
+    adv = opd.advantages(batch.logp_rollout, logp_teacher, batch.action_mask, kl_coef=o.kl_coef, outcome=outcome,
+                         outcome_weight=o.outcome_weight)
+    if o.topk:
+        ids, top = (jnp.asarray(np.stack([x[k] for x in teacher])) for k in (1, 2))
+        metrics = opd.distill_step(learner, batch, adv, ids, top, dict(o))
+    else:
+        metrics = learner.step(batch, advantages=adv)
+    kl = opd.reverse_kl(batch.logp_rollout, logp_teacher, batch.action_mask)
+    m = np.asarray(batch.action_mask)
+    metrics["reverse_kl"] = float(np.sum(np.asarray(kl)) / max(m.sum(), 1.0))
+    metrics["reward"] = float(np.mean(np.asarray(batch.rewards)))
+    return metrics
+
+
+def run(cfg, workdir: str) -> dict:
+    os.makedirs(workdir, exist_ok=True)
+    start = time.time()
+    o = cfg.opd
+    registry = build_teachers(cfg, workdir)
+    heldout = heldout_tasks(cfg)
+    teacher_rates = {}
+    with TeacherSwitcher(registry, prefetch=False) as loader:
+        for name in sorted(registry.specs):
+            (domain,) = registry[name].domains
+            teacher_rates[domain] = pass_rates(loader.activate(name), {domain: heldout[domain]}, cfg)[domain]
+    student = build_student(cfg, workdir)
+    base_rates = pass_rates(student, heldout, cfg)
+    for d in heldout:
+        print(f"{d}: teacher {registry.route(d)} {teacher_rates[d]:.1%}, student before OPD {base_rates[d]:.1%}",
+              flush=True)
+
+    learner = Learner(student, None, dict(algorithm="sao", **{k: o[k] for k in (
+        "eps_low", "eps_high", "actor_lr", "grad_clip", "temperature")}), external_advantages=True)
+    store = WeightStore(nnx.state(student))
+    driver = Driver(GlmEngine(student, weights=store, max_concurrent_decodes=o.slots, max_len=cfg.task.max_len))
+    switcher = TeacherSwitcher(registry, prefetch=o.prefetch)
+    scorer = Scorer(registry, switcher, driver, cfg)
+    stream = trainer.TaskStream(mixed_train_tasks(cfg), seed=cfg.task.seed)
+    domains = {d: i for i, d in enumerate(sorted(heldout))}
+    history = open(os.path.join(workdir, "metrics.jsonl"), "w")
+    step, rollouts, opd_start = 0, 0, time.time()
+    bar = tqdm(total=o.rounds * o.batches_per_round, desc="OPD", mininterval=1.0)
+    for _ in range(o.rounds):
+        tasks = [next(stream) for _ in range(o.batches_per_round * o.batch_size)]
+        trajectories, teacher = scorer.rollouts(tasks, rollouts, cfg.seed * 1_000_003)
+        for b in range(o.batches_per_round):
+            rows = slice(b * o.batch_size, (b + 1) * o.batch_size)
+            metrics = train_batch(learner, trajectories[rows], teacher[rows],
+                                  [domains[domain_of(t)] for t in tasks[rows]], cfg)
+            store.publish(nnx.state(student))
+            step += 1
+            history.write(json.dumps({"step": step, "version": store.version, "time": time.time() - start,
+                                      "switches": switcher.stats.switches, **metrics}) + "\n")
+            bar.update(1)
+            bar.set_postfix(kl=f"{metrics['reverse_kl']:.3f}", reward=f"{metrics['reward']:.2f}")
+        rollouts += len(tasks)
+    bar.close()
+    history.close()
+    opd_seconds = time.time() - opd_start
+    switcher.close()
+
+    final_rates = pass_rates(student, heldout, cfg)
+    stats = switcher.stats
+    summary = {
+        "teachers": {name: {"domains": list(spec.domains), "pass_rate": teacher_rates[spec.domains[0]]}
+                     for name, spec in registry.specs.items()},
+        "student_base_pass_rate": base_rates, "student_pass_rate": final_rates,
+        "student_over_teacher": {d: final_rates[d] / max(teacher_rates[d], 1e-9) for d in heldout},
+        "goal_met": all(final_rates[d] >= 0.9 * teacher_rates[d] for d in heldout),
+        "steps": step, "rollouts": rollouts, "heldout_tasks": {d: len(t) for d, t in heldout.items()},
+        "switches": stats.switches, "cold_loads": stats.cold_loads, "stall_seconds": stats.stall_seconds,
+        "background_load_seconds": stats.load_seconds, "peak_host_teachers": stats.peak_host_teachers,
+        "teacher_idle_share": stats.stall_seconds / max(opd_seconds, 1e-9), "opd_seconds": opd_seconds,
+        "wall_seconds": time.time() - start, "prefetch": o.prefetch, "topk": o.topk,
+        "outcome_weight": o.outcome_weight,
+    }
+    with open(os.path.join(workdir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print(format_table(summary), flush=True)
+    return summary
+
+
+def format_table(s: dict) -> str:
+    teacher_of = {d: (name, t["pass_rate"]) for name, t in s["teachers"].items() for d in t["domains"]}
+    header = ("domain", "teacher", "teacher", "student base", "student OPD", "student/teacher")
+    rows = [(d, teacher_of[d][0], f"{teacher_of[d][1]:.1%}", f"{s['student_base_pass_rate'][d]:.1%}",
+             f"{s['student_pass_rate'][d]:.1%}", f"{s['student_over_teacher'][d]:.0%}")
+            for d in sorted(s["student_pass_rate"])]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    fmt = lambda r: "  ".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))  # noqa: E731
+    lines = [fmt(header), *map(fmt, rows)]
+    lines.append(f"{s['steps']} OPD steps, {s['rollouts']} rollouts, {s['switches']} teacher switches "
+                 f"({s['stall_seconds']:.2f} s stalled, {s['cold_loads']} cold loads), {s['wall_seconds']:.0f} s; "
+                 f"goal (student >= 90% of teacher everywhere) {'met' if s['goal_met'] else 'not met'}")
+    return "\n".join(lines)
