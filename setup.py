@@ -34,7 +34,9 @@ setup(
     extras_require={
         # torch is pinned to the release whose CPU wheel the test machines carry; any other
         # version pulls the CUDA build (gigabytes) just to run the Hugging Face reference.
-        "test": ["pytest", "pytest-xdist", "torch==2.13.0", "transformers>=5.24,<6", "grpcio", "protobuf"],
+        # nbclient, nbformat and ipykernel execute notebooks/ablations.ipynb (tests/test_notebook.py).
+        "test": ["pytest", "pytest-xdist", "torch==2.13.0", "transformers>=5.24,<6", "grpcio", "protobuf",
+                 "nbclient", "nbformat", "ipykernel"],
         "serve": ["grpcio", "protobuf"],
         "gpu": [f"jax[cuda12]=={JAX_VERSION}"],
         "tpu": [f"jax[tpu]=={JAX_VERSION}"],

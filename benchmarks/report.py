@@ -47,11 +47,65 @@ def plan_table(plans) -> list[str]:
     return out
 
 
-def generic_table(name, r) -> list[str]:
-    flat = {k: v for k, v in r.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    out = [f"`benchmarks/{name}.py`:", "", "| figure | value |", "| --- | ---: |"]
-    out += [f"| {k} | {v:,.4g} |" for k, v in flat.items()]
+def ablations_table(r) -> list[str]:
+    m = r["machine"]
+    out = [f"`notebooks/ablations.ipynb` ({r['rl_steps']} RL steps per run, one seed, {m['platform']}, {m['cpus']} "
+           f"CPU cores at load average {m['load_average_at_start']:.1f}; the whole notebook "
+           f"{r['notebook_seconds'] / 60:.1f} minutes), greedy held-out pass rates:", "",
+           "| comparison | arm | config and overrides | base | after RL | change | RL s / step |",
+           "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
+    for title, c in r["comparisons"].items():
+        for arm, label in zip(c["arms"], c["labels"]):
+            a = r["arms"][arm]
+            command = " ".join([a["config"], *(f"--config.{o}" for o in a["overrides"])])
+            out.append(f"| {title} | {label} | `{command}` | {a['base_pass_rate']:.1%} | {a['final_pass_rate']:.1%} | "
+                       f"{100 * a['pass_rate_change']:+.1f} pt | {a['rl_seconds_per_step']:.2f} |")
+    s = r["indexshare_speed"]
+    out += ["", f"IndexShare off (FFFF) against on (FSFS): a forward pass of the base model takes "
+                f"{s['indexshare_off']['forward_ms']:.1f} ms against {s['sao']['forward_ms']:.1f} ms "
+                f"(batch 64 x 64 tokens, {s['forward_speedup']:.2f}x), an RL step {s['rl_step_speedup']:.2f}x as long."]
+    if (REPO / "docs" / "ablations.png").exists():
+        out += ["", "![ablations: reward curves and pass rates](docs/ablations.png)"]
     return out
+
+
+def _number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _rows_table(rows: dict) -> list[str]:
+    """{row name: {column: scalar}} as one table, columns in first-seen order."""
+    columns = list(dict.fromkeys(k for row in rows.values() for k, v in row.items() if _number(v)))
+    out = ["| | " + " | ".join(columns) + " |", "| --- |" + " ---: |" * len(columns)]
+    for name, row in rows.items():
+        out.append(f"| {name} | " + " | ".join(f"{row[c]:,.4g}" if _number(row.get(c)) else "" for c in columns) + " |")
+    return out
+
+
+def generic_table(name, r) -> list[str]:
+    """The scalar figures as a figure / value table; each dict of dicts (`{"data8": {...}}`) or
+    list of dicts (`[{"case": ..., ...}]`) in the file as a table of its own."""
+    script = REPO / "benchmarks" / f"{name}.py"
+    out = [f"`benchmarks/{name}.py`:" if script.exists() else f"`results/{name}.json`:", ""]
+    flat = {k: v for k, v in r.items() if _number(v)}
+    if flat:
+        out += ["| figure | value |", "| --- | ---: |"] + [f"| {k} | {v:,.4g} |" for k, v in flat.items()] + [""]
+    for key, v in r.items():
+        rows = None
+        if isinstance(v, dict) and v and all(isinstance(x, dict) for x in v.values()):
+            rows = v
+        elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+            label = next((k for k, x in v[0].items() if isinstance(x, str)), None)
+            rows = {str(x.get(label, i)): x for i, x in enumerate(v)}
+        if rows is not None:
+            out += [f"{key}:", ""] + _rows_table(rows) + [""]
+    return out[:-1]
+
+
+# Files with a layout of their own come first; every other results/NAME.json follows as a
+# generic table. NAME_smoke.json files (toy-size correctness runs) carry no figures to show.
+OWN_LAYOUT = ("model_bench", "plan_h200x64", "plan_v5p256", "ablations")
+FIRST = ("dsa_bench", "engine_bench", "rl_bench", "opd_bench", "env_bench", "sharding_bench")
 
 
 def render() -> str:
@@ -63,9 +117,12 @@ def render() -> str:
              if (p := _load(name)) is not None]
     if plans:
         parts += plan_table(plans) + [""]
-    for name in ("dsa_bench", "engine_bench", "rl_bench", "env_bench", "sharding_bench"):
-        if (r := _load(name)) is not None:
-            parts += generic_table(name, r) + [""]
+    if (r := _load("ablations")) is not None:
+        parts += ablations_table(r) + [""]
+    present = sorted(p.stem for p in (REPO / "results").glob("*.json"))
+    rest = [n for n in present if n not in OWN_LAYOUT + FIRST and not n.endswith("_smoke")]
+    for name in [n for n in FIRST if n in present] + rest:
+        parts += generic_table(name, _load(name)) + [""]
     return "\n".join(parts).rstrip() + "\n"
 
 
