@@ -5,7 +5,8 @@ One forward serves training, prefill and decode:
   * `model(ids, cache=cache)`: the T new tokens of each sequence are written into the
     cache after its `lengths` and attend over everything cached: prefill when the cache is
     empty, decode of one token, or verification of several speculative drafts at once.
-The top-k selection of each full-indexer layer flows to the shared layers after it.
+The top-k selection of each full-indexer layer flows to the shared layers after it; the
+last layer's is returned (`ModelOutput.topk`) for MTP drafting over the main cache.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from flax import nnx
 from glmjax.cache import KVCache
 from glmjax.config import ModelConfig
 from glmjax.layers.decoder import DecoderLayer
+from glmjax.layers.mla import Context
 from glmjax.layers.mtp import MTP
 from glmjax.layers.norms import RMSNorm
 from glmjax.layers.rope import rope_tables
@@ -31,6 +33,7 @@ class ModelOutput(NamedTuple):
     cache: KVCache | None
     indexer_loss: jax.Array | None  # mean KL over the full-indexer layers, when asked for
     expert_load: jax.Array | None  # [L_moe, E] token copies per expert
+    topk: jax.Array | None = None  # [B, T, P] the last layer's key selection; None where it attended densely
 
 
 class MTPOutput(NamedTuple):
@@ -104,22 +107,32 @@ class GlmForCausalLM(nnx.Module):
             cache=new_cache,
             indexer_loss=jnp.mean(jnp.stack(losses)) if losses else None,
             expert_load=jnp.stack(loads) if loads else None,
+            topk=topk,
         )
 
-    def mtp_forward(self, hidden, next_ids, *, positions=None, cache=None, lengths=None) -> MTPOutput:
+    def mtp_forward(self, hidden, next_ids, *, positions=None, cache=None, lengths=None,
+                    context: Context | None = None) -> MTPOutput:
         """The MTP prediction of token t+2 from hidden [B, T, D] at t and next_ids [B, T] (t+1).
 
-        Without a cache, positions default to arange(T) (the positions of `hidden`). With the
-        MTP layer's own LayerCache, the new entries go after `lengths` [B].
+        positions [B, T] (default arange(T)): where the rows are, for RoPE. The keys:
+          * no cache, no context: the T rows themselves, row s visible from row t iff s <= t
+            (by index, so that rows starting at any position stay causal);
+          * cache, the MTP layer's own LayerCache: the new entries go after `lengths` [B]
+            (positions are then lengths + arange(T));
+          * context (mla.Context): another layer's cache, read only, with its visibility and
+            top-k ("shared" drafting, rl/speculative.py).
         """
         if self.mtp is None:
             raise ValueError("this model has no MTP layer (config.num_nextn_predict_layers=0)")
+        rows = self.positions(next_ids, None, None)  # arange(T)
         if cache is not None:
-            q_pos = lengths[:, None] + jnp.arange(next_ids.shape[1], dtype=jnp.int32)[None, :]
+            q_pos = lengths[:, None] + rows
+            key_pos = q_pos
         else:
-            q_pos = self.positions(next_ids, None, positions)
+            q_pos = rows if positions is None else positions.astype(jnp.int32)
+            key_pos = rows
         cos, sin = rope_tables(self.config, q_pos)
-        h, out = self.mtp(hidden, self.embed(next_ids), cos, sin, q_pos, cache=cache)
+        h, out = self.mtp(hidden, self.embed(next_ids), cos, sin, key_pos, cache=cache, context=context)
         return MTPOutput(self.head(h), out.x, out.cache)
 
 

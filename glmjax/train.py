@@ -1,6 +1,7 @@
 """Training GLM-5 in pure functions: losses, one jitted step, a synthetic corpus and a loop.
 
     loss = CE(next token) + mtp_weight * CE(token t+2 from MTP)      (stage None)
+           (with mtp_depth > 1: the mean CE of the MTP layer's recursive drafts t+2 .. t+depth+1)
     loss = KL(p_attn || softmax(I))                                  (stage "warmup")
     loss = CE + mtp_weight * CE_mtp + KL over the top-k set          (stage "sparse")
 
@@ -31,12 +32,13 @@ import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
+from glmjax.cache import KVCache
 from glmjax.layers.indexer import indexer_kl
-from glmjax.layers.mla import LATENT_NORM_EPS
+from glmjax.layers.mla import LATENT_NORM_EPS, Context
 from glmjax.layers.moe import update_correction_biases
 from glmjax.layers.norms import rms_norm
 from glmjax.layers.rope import apply_rope, rope_tables
-from glmjax.model import GlmForCausalLM
+from glmjax.model import GlmForCausalLM, ModelOutput
 from pallas_kernels import reference
 
 INDEXER_STAGES = (None, "warmup", "sparse")
@@ -62,31 +64,74 @@ def lm_loss(logits: jax.Array, targets: jax.Array, mask: jax.Array) -> tuple[jax
     return jnp.sum(ce * mask) / n, {"accuracy": jnp.sum(correct * mask) / n, "tokens": mask.sum()}
 
 
-def mtp_loss(model: GlmForCausalLM, hidden: jax.Array, input_ids: jax.Array, mask: jax.Array):
-    """The MTP module's loss: from the main hidden at t [B, T, D] and token t+1, predict t+2.
+MTP_MODES = ("own", "shared")
 
-    MTP position t sees hidden[t] and input_ids[t+1] and is scored on input_ids[t+2]
-    (mask[t+2]); the last of its T-1 positions has no t+2 and is dropped.
+
+def mtp_draft_logits(model: GlmForCausalLM, ids: jax.Array, depth: int, mode: str = "own", *,
+                     main: ModelOutput | None = None) -> list[jax.Array]:
+    """The MTP layer drafting recursively as the engine does (rl/speculative.py), at depths
+    1..depth: ids [B, T] -> logits_j [B, T-j, N] for j = 1..depth, row r (position
+    r + j - 1) predicting ids[:, r + j + 1] (the last row has no target).
+
+    Depth 1 reads the main hidden state; depth j > 1 the MTP output of depth j - 1 one
+    position back, as drafts 2..K do at serving time. mode "own": the MTP layer attends
+    over its own latents of the same depth (causally); "shared": over the main model's
+    last-layer latents up to the last committed position (r), with the top-k the main
+    model's last layer chose there. main: the main model's output on ids (for "shared",
+    computed with a cache, whose last layer is read); computed here when None.
     """
-    out = model.mtp_forward(hidden[:, :-1], input_ids[:, 1:])  # logits [B, T-1, N]
-    return lm_loss(out.logits[:, :-1], input_ids[:, 2:], mask[:, 2:])
+    if mode not in MTP_MODES:
+        raise ValueError(f"mode={mode!r} is invalid: expected one of {MTP_MODES}")
+    b, t = ids.shape
+    if main is None:
+        main = model(ids, cache=KVCache.init(model.config, b, t) if mode == "shared" else None)
+    if mode == "shared" and main.cache is None:
+        raise ValueError("mode 'shared' needs the main model's output computed with a cache")
+    pos = model.positions(ids, None, None)
+    h, out = main.hidden[:, :-1], []
+    for j in range(1, depth + 1):
+        context = None
+        if mode == "shared":
+            committed = pos[:, :t - j]
+            context = Context(main.cache.layers[-1], committed, None if main.topk is None else main.topk[:, :t - j])
+        o = model.mtp_forward(h, ids[:, j:], positions=pos[:, j - 1:t - 1], context=context)
+        out.append(o.logits)
+        h = o.hidden[:, :-1]
+    return out
+
+
+def mtp_loss(model: GlmForCausalLM, hidden: jax.Array, input_ids: jax.Array, mask: jax.Array, *, depth: int = 1,
+             mode: str = "own", main: ModelOutput | None = None):
+    """The MTP loss: the mean over depths j = 1..depth of the cross entropy of the drafts
+    of `mtp_draft_logits` (depth 1: from the main hidden at t [B, T, D] and token t+1,
+    predict t+2; depth j predicts t+j+1), each scored where mask [B, T] marks its target.
+    With depth 1, mode "own" (training's default): DeepSeek-V3's one-layer MTP loss.
+    main: the main model's output (needed for "shared"; `hidden` is its hidden state)."""
+    main = main if main is not None else ModelOutput(None, hidden, None, None, None)
+    logits = mtp_draft_logits(model, input_ids, depth, mode, main=main)
+    parts = [lm_loss(lg[:, :-1], input_ids[:, j + 2:], mask[:, j + 2:]) for j, lg in enumerate(logits)]
+    loss = sum(p[0] for p in parts) / depth
+    return loss, {"accuracy": parts[0][1]["accuracy"], "tokens": parts[0][1]["tokens"]}
 
 
 def loss_fn(model: GlmForCausalLM, batch: Mapping[str, jax.Array], *, mtp_weight: float,
-            indexer_stage: str | None = None) -> tuple[jax.Array, dict]:
+            indexer_stage: str | None = None, mtp_depth: int = 1, mtp_mode: str = "own") -> tuple[jax.Array, dict]:
     """(loss, metrics) for one batch: `input_ids` [B, T] int32 and `loss_mask` [B, T]
     (1 where the token is a target). In the warm-up mtp_weight is unused; in the sparse
-    stage the KL is added at weight 1 (it reaches only the indexer, the CE never does)."""
+    stage the KL is added at weight 1 (it reaches only the indexer, the CE never does).
+    mtp_depth, mtp_mode: the MTP loss's drafting depths and draft mode (mtp_loss)."""
     if indexer_stage not in INDEXER_STAGES:
         raise ValueError(f"indexer_stage={indexer_stage!r} is invalid: expected one of {INDEXER_STAGES}")
     ids, mask = batch["input_ids"], batch["loss_mask"]
-    out = model(ids, indexer_loss={None: None, "warmup": "dense", "sparse": "sparse"}[indexer_stage])
+    # "shared" drafting reads the main model's last-layer latents, which only a cache keeps.
+    cache = KVCache.init(model.config, *ids.shape) if mtp_weight and mtp_mode == "shared" else None
+    out = model(ids, cache=cache, indexer_loss={None: None, "warmup": "dense", "sparse": "sparse"}[indexer_stage])
     if indexer_stage == "warmup":  # dense attention; only the indexer's distillation counts
         return out.indexer_loss, {"loss": out.indexer_loss, "indexer_kl": out.indexer_loss}
     loss, lm_aux = lm_loss(out.logits[:, :-1], ids[:, 1:], mask[:, 1:])
     aux = {"lm_loss": loss, "accuracy": lm_aux["accuracy"]}
     if mtp_weight:
-        mtp, mtp_aux = mtp_loss(model, out.hidden, ids, mask)
+        mtp, mtp_aux = mtp_loss(model, out.hidden, ids, mask, depth=mtp_depth, mode=mtp_mode, main=out)
         loss = loss + mtp_weight * mtp
         aux.update(mtp_loss=mtp, mtp_accuracy=mtp_aux["accuracy"])
     if indexer_stage == "sparse":
@@ -116,15 +161,19 @@ def make_optimizer(cfg: Mapping[str, Any], model: GlmForCausalLM, *, trainable=T
     return nnx.Optimizer(model, tx, wrt=trainable)
 
 
-@functools.partial(nnx.jit, static_argnames=("mtp_weight", "indexer_stage", "bias_update_rate"))
+@functools.partial(nnx.jit, static_argnames=("mtp_weight", "indexer_stage", "bias_update_rate", "mtp_depth",
+                                             "mtp_mode"))
 def train_step(model: GlmForCausalLM, optimizer: nnx.Optimizer, batch, *, mtp_weight: float = 0.3,
-               indexer_stage: str | None = None, bias_update_rate: float = 0.0) -> dict:
+               indexer_stage: str | None = None, bias_update_rate: float = 0.0, mtp_depth: int = 1,
+               mtp_mode: str = "own") -> dict:
     """One AdamW step on the variables the optimizer was built for (`optimizer.wrt`);
     everything else is a constant of the gradient. With bias_update_rate > 0 the MoE
     correction biases then take DeepSeek-V3's aux-loss-free step on this batch's expert
-    load (layers/moe.py, update_correction_biases). Returns the metrics."""
+    load (layers/moe.py, update_correction_biases). mtp_depth > 1 trains the MTP layer to
+    draft recursively, as speculative decoding uses it (mtp_loss). Returns the metrics."""
     grad_fn = nnx.value_and_grad(
-        lambda m: loss_fn(m, batch, mtp_weight=mtp_weight, indexer_stage=indexer_stage),
+        lambda m: loss_fn(m, batch, mtp_weight=mtp_weight, indexer_stage=indexer_stage, mtp_depth=mtp_depth,
+                          mtp_mode=mtp_mode),
         argnums=nnx.DiffState(0, optimizer.wrt), has_aux=True)
     (_, aux), grads = grad_fn(model)
     optimizer.update(model, grads)
@@ -143,12 +192,14 @@ def eval_step(model: GlmForCausalLM, batch, *, mtp_weight: float = 0.3, indexer_
 
 
 def fit(model: GlmForCausalLM, optimizer: nnx.Optimizer, stream: Iterator[dict], steps: int, *,
-        mtp_weight: float = 0.3, indexer_stage: str | None = None, desc: str = "train") -> list[float]:
-    """Runs `steps` train steps with a progress bar; returns the loss of each step."""
+        mtp_weight: float = 0.3, indexer_stage: str | None = None, desc: str = "train", **step_kw) -> list[float]:
+    """Runs `steps` train steps with a progress bar; returns the loss of each step.
+    step_kw: train_step's other settings (mtp_depth, mtp_mode)."""
     history = []
     with tqdm(range(steps), desc=desc, mininterval=1.0) as bar:
         for _ in bar:
-            metrics = train_step(model, optimizer, next(stream), mtp_weight=mtp_weight, indexer_stage=indexer_stage)
+            metrics = train_step(model, optimizer, next(stream), mtp_weight=mtp_weight, indexer_stage=indexer_stage,
+                                 **step_kw)
             history.append(float(metrics["loss"]))
             bar.set_postfix(loss=f"{history[-1]:.3f}", refresh=False)
     return history

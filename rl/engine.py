@@ -297,11 +297,8 @@ class GlmEngine(_Engine):
         """ids [n, T] after cache [n, S]; true_length, temperature, top_k, keys [n]."""
         model = nnx.merge(self.graphdef, state)
         start = cache.lengths  # [n]
-        if self.num_draft and self.mtp_mode == "shared":
-            logits, hidden, cache, topk = speculative.main_forward(model, ids, cache)
-        else:
-            out = model(ids, cache=cache)
-            logits, hidden, cache, topk = out.logits, out.hidden, out.cache, None
+        out = model(ids, cache=cache)
+        logits, hidden, cache, topk = out.logits, out.hidden, out.cache, out.topk
         cache = cache._replace(lengths=start + true_length)
         last = true_length - 1
         keys, subs = split_keys(keys, 1 + self.num_draft)
@@ -415,11 +412,8 @@ class GlmEngine(_Engine):
         k = self.num_draft
         fed = jnp.concatenate([state.tokens[:, None], state.drafts], axis=1)  # [B, K+1]
         start = state.cache.lengths
-        if k and self.mtp_mode == "shared":
-            logits, hidden, cache, topk = speculative.main_forward(model, fed, state.cache)
-        else:
-            out = model(fed, cache=state.cache)
-            logits, hidden, cache, topk = out.logits, out.hidden, out.cache, None
+        out = model(fed, cache=state.cache)
+        logits, hidden, cache, topk = out.logits, out.hidden, out.cache, out.topk
         target_logp = sampling_logprobs(logits, state.temperature, state.top_k, self.max_top_k)
         rng, subs = split_keys(state.rng, 2 + k)
         accepted, tokens = speculative.accept(target_logp, state.draft_logp, state.drafts, subs[0], subs[1])

@@ -23,7 +23,8 @@ The draft layer sees its context in one of two ways (`mode`):
     queries attend over the main model's last-layer latents (c_kv, k_rope) of the
     committed positions, with the top-k selection the main model's last layer made for
     the last committed position.
-Training should draft as serving does, at every depth: `mtp_draft_logits`.
+Training drafts as serving does, at every depth: glmjax/train.py's `mtp_draft_logits`
+and the multi-depth `mtp_loss`.
 """
 
 from __future__ import annotations
@@ -32,97 +33,9 @@ import jax
 import jax.numpy as jnp
 
 from glmjax.cache import KVCache
-from glmjax.layers.mla import LATENT_NORM_EPS
-from glmjax.layers.moe import MoE
-from glmjax.layers.norms import rms_norm
-from glmjax.layers.rope import apply_rope, rope_tables
-from pallas_kernels import ops
+from glmjax.layers.mla import Context
+from glmjax.train import MTP_MODES as MODES
 from rl.sampling import sample, sampling_logprobs
-
-MODES = ("own", "shared")
-
-
-def main_forward(model, ids: jax.Array, cache: KVCache):
-    """`model(ids, cache=cache)` that also returns the last layer's top-k [B, T, P] (None
-    when attention was dense): GlmForCausalLM.__call__'s cache path, which drops it.
-    Returns (logits [B, T, N], hidden [B, T, D], cache, topk)."""
-    q_pos = model.positions(ids, cache, None)
-    cos, sin = rope_tables(model.config, q_pos)
-    x, topk, layers = model.embed(ids), None, []
-    for i, layer in enumerate(model.layers):
-        out = layer(x, cos, sin, q_pos, cache=cache.layers[i], shared_topk=topk)
-        x, topk = out.x, out.topk
-        layers.append(out.cache)
-    cache = cache._replace(layers=tuple(layers), lengths=cache.lengths + ids.shape[1])
-    return model.head(model.norm(x)), x, cache, topk
-
-
-def _shared_attention(attn, x, cos, sin, vis_pos, c_kv, k_rope, topk):
-    """MLA's query path over given latents (no key of its own, no indexer): x [B, T, D]
-    normed, vis_pos [B, T] the last key position each query may see, c_kv [B, S, C],
-    k_rope [B, S, R], topk [B, T, P] or None. Returns [B, T, D]."""
-    c, dt = attn.config, x.dtype
-    w = lambda p: p[...].astype(dt)  # noqa: E731
-    qr = rms_norm(jnp.einsum("BTD,DQ->BTQ", x, w(attn.q_a)), attn.q_a_norm[...], LATENT_NORM_EPS)
-    q = jnp.einsum("BTQ,QHE->BTHE", qr, w(attn.q_b))
-    q_nope, q_rope = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
-    q_rope = apply_rope(q_rope, cos, sin, interleaved=True)
-    q_c = jnp.einsum("BTHK,CHK->BTHC", q_nope, w(attn.w_uk))
-    c_kv, k_rope = c_kv.astype(dt), k_rope.astype(dt)
-    if topk is None:
-        o_c = ops.get("mla_attention", c.kernel_impl)(q_c, q_rope, c_kv, k_rope, vis_pos, scale=c.softmax_scale)
-    else:
-        o_c = ops.get("sparse_mla_attention", c.kernel_impl)(q_c, q_rope, c_kv, k_rope, vis_pos, topk,
-                                                              scale=c.softmax_scale)
-    o = jnp.einsum("BTHC,CHV->BTHV", o_c, w(attn.w_uv))
-    return jnp.einsum("BTHV,HVD->BTD", o, w(attn.o_proj))
-
-
-def mtp_shared(model, hidden, next_ids, q_pos, vis_pos, c_kv, k_rope, topk):
-    """The MTP module in "shared" mode: hidden [B, T, D] at q_pos [B, T], next_ids [B, T];
-    attention over the main last-layer latents up to vis_pos [B, T] with topk [B, T, P] or
-    None. Returns (logits [B, T, N] of token t+2, MTP hidden [B, T, D])."""
-    mtp = model.mtp
-    cos, sin = rope_tables(model.config, q_pos)
-    x = jnp.concatenate([mtp.enorm(model.embed(next_ids)), mtp.hnorm(hidden)], axis=-1)
-    x = x @ mtp.eh_proj[...].astype(x.dtype)
-    block = mtp.block
-    x = x + _shared_attention(block.attn, block.input_norm(x), cos, sin, vis_pos, c_kv, k_rope, topk)
-    h = block.post_attn_norm(x)
-    x = x + (block.mlp(h)[0] if isinstance(block.mlp, MoE) else block.mlp(h))
-    return model.head(mtp.head_norm(x)), x
-
-
-def mtp_draft_logits(model, ids: jax.Array, num_draft: int, mode: str = "own") -> list[jax.Array]:
-    """Training-time drafting at depths 1..num_draft, as the engine drafts: ids [B, T] ->
-    logits_j [B, T-j, N] for j = 1..num_draft, row r (position r + j - 1) predicting
-    ids[:, r + j + 1] (the last row has no target: train on logits_j[:, :-1] against
-    ids[:, j + 1:]). Depth 1 reads the main hidden state; depth j > 1 the MTP output of
-    depth j - 1 one position back, as drafts 2..K do at serving time. mode "own": MTP
-    self-attention over its own latents of the same depth (no cache); "shared": the main
-    last layer's latents and top-k at the last committed position (position - j + 1)."""
-    if mode not in MODES:
-        raise ValueError(f"mode={mode!r} is invalid: expected one of {MODES}")
-    b, t = ids.shape
-    pos = model.positions(ids, None, None)
-    if mode == "own":
-        hidden = model(ids).hidden
-    else:
-        _, hidden, cache, topk = main_forward(model, ids, KVCache.init(model.config, b, t))
-        last = cache.layers[-1]
-    h, out = hidden[:, :-1], []
-    for j in range(1, num_draft + 1):
-        q_pos, next_ids = pos[:, j - 1:t - 1], ids[:, j:]
-        if mode == "own":
-            o = model.mtp_forward(h, next_ids, positions=q_pos)
-            logits, h_next = o.logits, o.hidden
-        else:
-            committed = pos[:, :t - j]
-            logits, h_next = mtp_shared(model, h, next_ids, q_pos, committed, last.c_kv, last.k_rope,
-                                        None if topk is None else topk[:, :t - j])
-        out.append(logits)
-        h = h_next[:, :-1]
-    return out
 
 
 def _sample_draft(key, logits, temperature, top_k, max_top_k):
@@ -160,15 +73,14 @@ def draft_shared(model, hidden, next_tok, pos, main_cache: KVCache, topk, num_dr
     hidden [B, D] main hidden at the last committed position pos [B]; next_tok [B] the
     token after it; topk [B, P] that position's selection or None. keys [num_draft, B].
     Returns (drafts [B, K], draft log-probs [B, K, N])."""
-    last = main_cache.layers[-1]
     vis = pos[:, None]
-    sel = None if topk is None else topk[:, None]
+    context = Context(main_cache.layers[-1], vis, None if topk is None else topk[:, None])
 
     def step(carry, key):
         tok, h, q_pos = carry
-        logits, h = mtp_shared(model, h, tok[:, None], q_pos, vis, last.c_kv, last.k_rope, sel)
-        nxt, logp = _sample_draft(key, logits[:, 0], temperature, top_k, max_top_k)
-        return (nxt, h, q_pos + 1), (nxt, logp)
+        out = model.mtp_forward(h, tok[:, None], positions=q_pos, context=context)
+        nxt, logp = _sample_draft(key, out.logits[:, 0], temperature, top_k, max_top_k)
+        return (nxt, out.hidden, q_pos + 1), (nxt, logp)
 
     _, (drafts, logps) = jax.lax.scan(step, (next_tok, hidden[:, None], vis), keys)
     return drafts.T, jnp.moveaxis(logps, 0, 1)

@@ -4,6 +4,7 @@ greedy decoding in both draft modes; rejection sampling keeps the target distrib
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from scipy import stats
 
@@ -11,7 +12,9 @@ import glmjax
 from rl.driver import Driver, Request
 from rl.engine import GlmEngine
 from rl.sampling import SamplingParams
-from rl.speculative import accept, mtp_draft_logits
+from glmjax.cache import KVCache
+from glmjax.train import mtp_draft_logits, mtp_loss
+from rl.speculative import accept
 from tests.engine_util import TINY, greedy_reference, prompts
 
 
@@ -148,3 +151,23 @@ def test_training_drafts_match_the_serving_drafts(model, mode):
     if mode == "shared":
         np.testing.assert_allclose(np.asarray(prefix.draft_logp[0, 1]),
                                    np.asarray(jax.nn.log_softmax(depth[1][0, 7])), atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["own", "shared"])
+def test_training_drafts_see_no_token_after_their_target(model, mode):
+    """Row r of depth j predicts token r + j + 1 from tokens 0..r + j: changing any later
+    token leaves it unchanged, and the multi-depth loss is the mean of the depths' losses."""
+    ids = np.asarray(prompts([12], seed=10)[0], np.int32)[None]
+    base = mtp_draft_logits(model, jnp.asarray(ids), 3, mode)
+    for j, logits in enumerate(base, start=1):
+        for r in (2, 6):
+            changed = ids.copy()
+            changed[0, r + j + 1:] = (changed[0, r + j + 1:] + 1) % TINY.vocab_size
+            again = mtp_draft_logits(model, jnp.asarray(changed), 3, mode)[j - 1]
+            np.testing.assert_allclose(np.asarray(again[0, :r + 1]), np.asarray(logits[0, :r + 1]), atol=1e-5)
+    mask = jnp.ones(ids.shape)
+    main = model(jnp.asarray(ids), cache=KVCache.init(TINY, 1, 12) if mode == "shared" else None)
+    loss, _ = mtp_loss(model, main.hidden, jnp.asarray(ids), mask, depth=3, mode=mode, main=main)
+    by_depth = [float(optax.softmax_cross_entropy_with_integer_labels(lg[0, :-1], ids[0, j + 2:]).mean())
+                for j, lg in enumerate(base)]
+    np.testing.assert_allclose(float(loss), np.mean(by_depth), rtol=1e-5)

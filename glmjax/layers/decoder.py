@@ -35,9 +35,10 @@ class DecoderLayer(nnx.Module):
         self.mlp = MoE(c, rngs=rngs) if moe else MLP(
             c.hidden_size, c.intermediate_size, init_std=c.initializer_range, param_dtype=pdt, rngs=rngs)
 
-    def __call__(self, x, cos, sin, q_pos, *, cache=None, shared_topk=None, indexer_loss=None) -> LayerOut:
+    def __call__(self, x, cos, sin, q_pos, *, cache=None, shared_topk=None, indexer_loss=None,
+                 context=None) -> LayerOut:
         a = self.attn(self.input_norm(x), cos, sin, q_pos, cache=cache, shared_topk=shared_topk,
-                      indexer_loss=indexer_loss)
+                      indexer_loss=indexer_loss, context=context)
         x = x + a.out
         h = self.post_attn_norm(x)
         if isinstance(self.mlp, MoE):

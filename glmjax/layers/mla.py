@@ -33,6 +33,15 @@ from pallas_kernels import ops, reference
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps
 
 
+class Context(NamedTuple):
+    """Another layer's cached keys, read and never written: the MTP layer drafting over the
+    main model's last-layer latents (rl/speculative.py, "shared" mode)."""
+
+    cache: LayerCache  # [B, S, ...]: c_kv and k_rope are read
+    visible: jax.Array  # [B, T] the last key position each query may see
+    topk: jax.Array | None  # [B, T, P] the selection to attend over; None: every visible key
+
+
 class AttentionOut(NamedTuple):
     out: jax.Array  # [B, T, D]
     cache: LayerCache | None
@@ -75,6 +84,7 @@ class MLA(nnx.Module):
         cache: LayerCache | None = None,
         shared_topk: jax.Array | None = None,
         indexer_loss: str | None = None,
+        context: Context | None = None,
     ) -> AttentionOut:
         """x [B, T, D]; cos/sin [B, T, R/2]; q_pos [B, T] absolute positions.
 
@@ -83,6 +93,8 @@ class MLA(nnx.Module):
         shared_topk: the selection of the previous full layer, used when this layer has no
         indexer. indexer_loss: None, "dense" (warm-up: dense attention, KL over all causal
         keys) or "sparse" (KL over the selected keys); the indexer sees detached inputs.
+        context: attend over another layer's cached keys instead (nothing of this layer's own
+        is computed or written, no indexer runs; AttentionOut.cache is None).
         """
         c = self.config
         dt = x.dtype
@@ -94,38 +106,46 @@ class MLA(nnx.Module):
         q_nope, q_rope = q[..., : c.qk_nope_head_dim], q[..., c.qk_nope_head_dim :]
         q_rope = apply_rope(q_rope, cos, sin, interleaved=True)
 
-        kv = jnp.einsum("BTD,DE->BTE", x, w(self.kv_a))
-        c_kv = rms_norm(kv[..., :cdim], self.kv_a_norm[...], LATENT_NORM_EPS)
-        k_rope = apply_rope(kv[..., cdim:], cos, sin, interleaved=True)
-
-        x_idx, qr_idx = (jax.lax.stop_gradient(x), jax.lax.stop_gradient(qr)) if indexer_loss else (x, qr)
-        index_k = self.indexer.keys(x_idx, cos, sin) if self.indexer is not None else None
-
-        if cache is not None:
-            cache = cache.write(q_pos, c_kv, k_rope, index_k)
-            c_all, r_all, k_all = cache.c_kv, cache.k_rope, cache.index_k
+        if context is not None:
+            if indexer_loss:
+                raise ValueError("indexer_loss needs the layer's own keys; it cannot be combined with a context")
+            c_all, r_all = context.cache.c_kv.astype(dt), context.cache.k_rope.astype(dt)
+            key_pos, topk = context.visible, context.topk
         else:
-            c_all, r_all, k_all = c_kv, k_rope, index_k
+            kv = jnp.einsum("BTD,DE->BTE", x, w(self.kv_a))
+            c_kv = rms_norm(kv[..., :cdim], self.kv_a_norm[...], LATENT_NORM_EPS)
+            k_rope = apply_rope(kv[..., cdim:], cos, sin, interleaved=True)
 
-        # DSA selection. When top-k covers every key it selects all visible keys, which is
-        # dense causal attention: skip the indexer's scoring then (its keys are still cached).
-        num_keys = c_all.shape[1]
-        sparse = c.index_topk < num_keys and indexer_loss != "dense"
-        topk = None
-        if self.indexer is not None:
-            if sparse:
-                topk = self.indexer.select(qr_idx, x_idx, cos, sin, k_all, q_pos, c.index_topk)
-        elif sparse:
-            if shared_topk is None:
-                raise ValueError("a shared-indexer layer needs the top-k of an earlier full layer")
-            topk = shared_topk
+            x_idx, qr_idx = (jax.lax.stop_gradient(x), jax.lax.stop_gradient(qr)) if indexer_loss else (x, qr)
+            index_k = self.indexer.keys(x_idx, cos, sin) if self.indexer is not None else None
+
+            if cache is not None:
+                cache = cache.write(q_pos, c_kv, k_rope, index_k)
+                c_all, r_all, k_all = cache.c_kv, cache.k_rope, cache.index_k
+            else:
+                c_all, r_all, k_all = c_kv, k_rope, index_k
+
+            # DSA selection. When top-k covers every key it selects all visible keys, which is
+            # dense causal attention: skip the indexer's scoring then (its keys are still cached).
+            num_keys = c_all.shape[1]
+            sparse = c.index_topk < num_keys and indexer_loss != "dense"
+            topk = None
+            if self.indexer is not None:
+                if sparse:
+                    topk = self.indexer.select(qr_idx, x_idx, cos, sin, k_all, q_pos, c.index_topk)
+            elif sparse:
+                if shared_topk is None:
+                    raise ValueError("a shared-indexer layer needs the top-k of an earlier full layer")
+                topk = shared_topk
+            key_pos = q_pos
 
         q_c = jnp.einsum("BTHK,CHK->BTHC", q_nope, w(self.w_uk))
         scale = c.softmax_scale
         if topk is None:
-            o_c = ops.get("mla_attention", c.kernel_impl)(q_c, q_rope, c_all, r_all, q_pos, scale=scale)
+            o_c = ops.get("mla_attention", c.kernel_impl)(q_c, q_rope, c_all, r_all, key_pos, scale=scale)
         else:
-            o_c = ops.get("sparse_mla_attention", c.kernel_impl)(q_c, q_rope, c_all, r_all, q_pos, topk, scale=scale)
+            o_c = ops.get("sparse_mla_attention", c.kernel_impl)(q_c, q_rope, c_all, r_all, key_pos, topk,
+                                                                  scale=scale)
         o = jnp.einsum("BTHC,CHV->BTHV", o_c, w(self.w_uv))
         out = jnp.einsum("BTHV,HVD->BTD", o, w(self.o_proj))
 
