@@ -2,13 +2,14 @@
 
     glmjax-train --config configs/opd_tiny.py --workdir /tmp/glmjax-opd
     glmjax-train --config configs/opd_tiny.py --workdir /tmp/glmjax-opd-cold --config.opd.prefetch=False
-    glmjax-train --config configs/opd_tiny.py --workdir /tmp/glmjax-opd-topk --config.opd.topk=8
+    glmjax-train --config configs/opd_tiny.py --workdir /tmp/glmjax-opd-sampled --config.opd.topk=0
 
-Two specialists, each supervised on one task family ("sort 9 3 7=" -> "3 7 9\\n";
-"rev omp=" -> "pmo\\n"), are the teachers of their family's domain. The student, the same
-tiny model, gets a short supervised start on both families and is then distilled on
-mixed prompts: it samples, the teacher of each prompt's domain scores its tokens (per-token
-reverse KL), and it trains on that signal through SAO's importance-weighted loss. The
+A shared base (the tiny model after a short supervised start on two task families,
+"sort 9 3 7=" -> "3 7 9\\n" and "rev omp=" -> "pmo\\n") is fine-tuned on each family alone
+into two specialists, the teachers of their family's domain. The student, the base itself,
+is then distilled on mixed prompts: it samples, the teacher of each prompt's domain scores
+its tokens (per-token reverse KL, and the KL over the teacher's top 16 tokens), and it
+trains on that signal through SAO's importance-weighted loss. The
 teachers are orbax checkpoints in the workdir; only the active one is on the device, the
 next one is prefetched while the student samples. rl/opd_trainer.py is the job.
 """
@@ -29,15 +30,14 @@ def get_config(arg=None):
     config.task = ml_collections.ConfigDict(dict(seed=0, train_tasks=800, eval_tasks=100, max_len=24,
                                                  max_new_tokens=10))
     config.teachers = ml_collections.ConfigDict(dict(
-        sorter=dict(family="sorting", difficulty=1, steps=150, demonstrations=800),
-        speller=dict(family="strings", difficulty=1, steps=400, demonstrations=3000)))
-    config.teacher_sft = ml_collections.ConfigDict(dict(
-        demonstrations=800, steps=150, batch_size=64, seq_len=24, learning_rate=3e-3, warmup=20, mtp_weight=0.3,
-        seed=0))
-    config.student = ml_collections.ConfigDict(dict(
-        demonstrations=800, steps=150, batch_size=64, seq_len=24, learning_rate=3e-3, warmup=20, mtp_weight=0.3,
-        seed=1))
+        sorter=dict(family="sorting", difficulty=1, steps=150),
+        speller=dict(family="strings", difficulty=1, steps=250, demonstrations=3000)))
+    sft = dict(demonstrations=800, steps=150, batch_size=64, seq_len=24, learning_rate=3e-3, warmup=20,
+               mtp_weight=0.3, seed=0)
+    config.student = ml_collections.ConfigDict(sft)  # the shared base: both families
+    config.teacher_sft = ml_collections.ConfigDict(dict(sft, seed=1))  # the base fine-tuned on one family
     config.opd = ml_collections.ConfigDict(dict(
-        rounds=10, batches_per_round=4, batch_size=32, slots=64, temperature=1.0, kl_coef=1.0, outcome_weight=0.0,
-        topk=0, topk_weight=1.0, eps_low=0.2, eps_high=4.0, actor_lr=1e-3, grad_clip=1.0, prefetch=True))
+        rounds=10, batches_per_round=4, epochs=2, batch_size=32, slots=64, temperature=1.0, kl_coef=0.1,
+        outcome_weight=0.0, topk=16, topk_weight=1.0, eps_low=0.2, eps_high=4.0, actor_lr=1e-3, grad_clip=1.0,
+        prefetch=True))
     return config

@@ -24,8 +24,8 @@ How it differs from textbook distillation (forward KL on the teacher's samples):
     reward of the prompt's domain in the batch, on every action token of the row: no
     value model;
   * the top-k variant compares the whole next-token distribution on the teacher's k most
-    likely tokens, both renormalised over those k, and is differentiated directly, not by
-    the policy gradient.
+    likely tokens plus one bucket for the rest, and is differentiated directly, not by the
+    policy gradient.
 Pure functions of arrays, except `distill_step` (one update of a Learner's policy).
 Shapes: B rows, T tokens, K top-k entries, N vocabulary.
 """
@@ -71,16 +71,24 @@ def advantages(logp_student: jax.Array, logp_teacher: jax.Array, action_mask: ja
 
 def topk_reverse_kl(logp_student_all: jax.Array, teacher_ids: jax.Array, teacher_logp: jax.Array,
                     action_mask: jax.Array) -> jax.Array:
-    """Per-token KL(q_s || q_t) over the teacher's top-k tokens, 0 off action tokens [B, T].
+    """Per-token KL(student || teacher) over the teacher's top-k tokens and one bucket for
+    the rest of the vocabulary, 0 off action tokens [B, T].
 
     logp_student_all [B, T, N]: the student's log-probs of token t (position t, as
-    `rl.teachers.score` aligns the teacher's); teacher_ids, teacher_logp [B, T, K]. q_s and
-    q_t are the student's and the teacher's probabilities renormalised over the K ids:
-        KL = sum_k q_s(k) (log q_s(k) - log q_t(k))."""
-    s = jnp.take_along_axis(logp_student_all.astype(jnp.float32), teacher_ids, axis=-1)  # [B, T, K]
-    log_qs = jax.nn.log_softmax(s, axis=-1)
-    log_qt = jax.nn.log_softmax(teacher_logp.astype(jnp.float32), axis=-1)
-    kl = jnp.sum(jnp.exp(log_qs) * (log_qs - log_qt), axis=-1)
+    `rl.teachers.score` aligns the teacher's); teacher_ids, teacher_logp [B, T, K] (true
+    log-probs: their mass is at most 1). With s_k, t_k the two models' probabilities of the
+    K ids and s_r = 1 - sum_k s_k, t_r = 1 - sum_k t_k the rest:
+        KL = sum_k s_k (log s_k - log t_k) + s_r (log s_r - log t_r),
+    a lower bound of the full KL (data processing) that is exact when the teacher's mass
+    lies in its top k; mass the student puts outside them is penalised through s_r."""
+    log_s = jnp.take_along_axis(logp_student_all.astype(jnp.float32), teacher_ids, axis=-1)  # [B, T, K]
+    log_t = teacher_logp.astype(jnp.float32)
+
+    def rest(logp):  # log(1 - sum_k p_k), kept finite when the top k hold (numerically) all the mass
+        return jnp.log(jnp.clip(1.0 - jnp.exp(logp).sum(-1), 1e-6, 1.0))
+
+    rest_s, rest_t = rest(log_s), rest(log_t)
+    kl = jnp.sum(jnp.exp(log_s) * (log_s - log_t), axis=-1) + jnp.exp(rest_s) * (rest_s - rest_t)
     return jnp.where(action_mask.astype(bool), kl, 0.0)
 
 

@@ -2,18 +2,18 @@
 
     glmjax-train --config configs/opd_tiny.py --workdir /tmp/opd
 
-  1. teachers: one specialist per task family, supervised on that family's demonstrations
-     (rl/trainer.py's `build_base`, cached in workdir/teachers/NAME/base) and saved as an
-     orbax teacher checkpoint (workdir/teachers/NAME/checkpoint); each is evaluated on its
-     domain's held-out tasks;
-  2. student: a short supervised start on demonstrations of every domain (cached in
-     workdir/student_base), evaluated on each domain;
+  1. base: a short supervised start on demonstrations of every domain (rl/trainer.py's
+     recipe; cached in workdir/student_base): the student, evaluated on each domain;
+  2. teachers: one specialist per task family, the base fine-tuned on that family's
+     demonstrations alone and saved as an orbax teacher checkpoint (workdir/teachers/NAME);
+     each is evaluated on its domain's held-out tasks;
   3. OPD rounds: draw `batches_per_round` x `batch_size` prompts from the mixed stream;
      the scheduler groups them by teacher, the active teacher's group first; for each
      group, the next teacher is prefetched while the student samples the group's answers,
      then the teacher scores the student's tokens; the round's rollouts are then trained
-     on in mixed batches, in draw order, with the OPD advantages (rl/opd.py) through SAO's
-     importance-weighted loss; every update is published to the engine's WeightStore;
+     on in mixed batches, in draw order, `epochs` times, with the OPD advantages
+     (rl/opd.py) through SAO's importance-weighted loss (whose ratio against the rollout
+     log-probs corrects the reuse); every update is published to the engine's WeightStore;
   4. the student is evaluated on each domain again; workdir/summary.json, metrics.jsonl
      and a table of teacher / student pass rates per domain.
 """
@@ -40,7 +40,7 @@ from rl import trainer
 from rl.driver import Driver, Request
 from rl.engine import GlmEngine
 from rl.learner import Learner
-from rl.teachers import TeacherRegistry, TeacherSpec, TeacherSwitcher, order_by_teacher, save_teacher
+from rl.teachers import TeacherRegistry, TeacherSpec, TeacherSwitcher, order_by_teacher, save_teacher, score
 from rl.weights import WeightStore
 
 log = logging.getLogger(__name__)
@@ -51,45 +51,45 @@ def domain_of(task) -> str:
     return task.metadata["family"]
 
 
-def _family_config(cfg, family: str, difficulty: int, base) -> ml_collections.ConfigDict:
-    """The single-family config that `trainer.build_base` reads."""
-    return ml_collections.ConfigDict(dict(
-        model=cfg.model, rl={}, base=base,
-        task=dict(family=family, difficulty=difficulty, max_len=cfg.task.max_len)))
+def supervised(model: glmjax.GlmForCausalLM, tasks, sft) -> glmjax.GlmForCausalLM:
+    """`sft.steps` supervised steps on the tasks' demonstrations (rl/trainer.py's recipe)."""
+    ids, mask = trainer.demonstrations(tasks, sft.seq_len)
+    opt = lm_train.make_optimizer(dict(sft), model)
+    rng = np.random.default_rng(sft.seed)
+    for _ in tqdm(range(sft.steps), desc="SFT", mininterval=1.0):
+        idx = rng.integers(0, len(ids), sft.batch_size)
+        lm_train.train_step(model, opt, {"input_ids": ids[idx], "loss_mask": mask[idx]}, mtp_weight=sft.mtp_weight)
+    return model
 
 
-def build_teachers(cfg, workdir: str) -> TeacherRegistry:
-    """Each specialist supervised on its family and saved as a teacher checkpoint (cached)."""
-    specs = []
-    for name, t in sorted(cfg.teachers.items()):
-        root = os.path.join(workdir, "teachers", name)
-        path = os.path.join(root, "checkpoint")
-        if not os.path.exists(os.path.join(path, "config.json")):
-            sft = ml_collections.ConfigDict(cfg.teacher_sft.to_dict())
-            sft.update({k: t[k] for k in ("steps", "demonstrations") if k in t})  # per-family budgets
-            model = trainer.build_base(_family_config(cfg, t.family, t.difficulty, sft), root)
-            save_teacher(model, path)
-        specs.append(TeacherSpec(name, path, (t.family,)))
-    return TeacherRegistry(specs)
+def _demonstrations(t, n: int, seed: int):
+    return families.make_tasks(t.family, n, seed=seed, difficulty=t.difficulty)
 
 
 def build_student(cfg, workdir: str) -> glmjax.GlmForCausalLM:
-    """The student's supervised start on every domain's demonstrations, cached in workdir."""
+    """The shared base: supervised on every domain's demonstrations, cached in workdir."""
     path = os.path.join(workdir, "student_base")
     if os.path.exists(os.path.join(path, "config.json")):
         return glmjax.from_pretrained(path)
     s = cfg.student
     model = glmjax.init_model(glmjax.presets.model_config_from(cfg), seed=s.seed)
-    tasks = [task for t in cfg.teachers.values()
-             for task in families.make_tasks(t.family, s.demonstrations, seed=s.seed, difficulty=t.difficulty)]
-    ids, mask = trainer.demonstrations(tasks, s.seq_len)
-    opt = lm_train.make_optimizer(dict(s), model)
-    rng = np.random.default_rng(s.seed)
-    for _ in tqdm(range(s.steps), desc="student (SFT)", mininterval=1.0):
-        idx = rng.integers(0, len(ids), s.batch_size)
-        lm_train.train_step(model, opt, {"input_ids": ids[idx], "loss_mask": mask[idx]}, mtp_weight=s.mtp_weight)
+    supervised(model, [task for t in cfg.teachers.values() for task in _demonstrations(t, s.demonstrations, s.seed)], s)
     glmjax.save_pretrained(model, path)
     return model
+
+
+def build_teachers(cfg, workdir: str, base: glmjax.GlmForCausalLM) -> TeacherRegistry:
+    """Each specialist: the shared base fine-tuned on its family alone (as MOPD derives its
+    teachers from one base), saved as a teacher checkpoint; cached in workdir."""
+    specs = []
+    for name, t in sorted(cfg.teachers.items()):
+        path = os.path.join(workdir, "teachers", name)
+        if not os.path.exists(os.path.join(path, "config.json")):
+            sft = ml_collections.ConfigDict(cfg.teacher_sft.to_dict())
+            sft.update({k: t[k] for k in ("steps", "demonstrations") if k in t})  # per-family budgets
+            save_teacher(supervised(nnx.clone(base), _demonstrations(t, sft.demonstrations, sft.seed), sft), path)
+        specs.append(TeacherSpec(name, path, (t.family,)))
+    return TeacherRegistry(specs)
 
 
 def heldout_tasks(cfg) -> dict[str, list]:
@@ -111,19 +111,30 @@ def pass_rates(model, tasks_by_domain, cfg) -> dict[str, float]:
 
 
 class Scorer:
-    """Teacher log-probs for a round's rollouts: grouped by teacher, each group sampled while
-    its teacher is prefetched, then scored by it (the module docstring's step 3)."""
+    """Teacher log-probs for a round's rollouts: grouped by teacher, the active teacher's
+    group first; each group is sampled by the student, then scored by its teacher, and
+    the next group's teacher loads in the background meanwhile (the module docstring's
+    step 3). `prefetch_for` starts the next round's first switch early, from the queue of
+    upcoming work."""
 
     def __init__(self, registry: TeacherRegistry, switcher: TeacherSwitcher, driver: Driver, cfg):
         self.registry, self.switcher, self.driver, self.cfg = registry, switcher, driver, cfg
 
+    def _groups(self, tasks):
+        return order_by_teacher([self.registry.route(domain_of(task)) for task in tasks], self.switcher.active)
+
+    def prefetch_for(self, tasks) -> None:
+        """Stages the first teacher that `tasks` will switch to."""
+        upcoming = [name for name, _ in self._groups(tasks) if name != self.switcher.active]
+        self.switcher.prefetch(upcoming[0] if upcoming else None)
+
     def rollouts(self, tasks, first_id: int, seed: int):
         """Trajectories [len(tasks)] and teacher outputs, in the order of `tasks`."""
         o, t = self.cfg.opd, self.cfg.task
-        names = [self.registry.route(domain_of(task)) for task in tasks]
+        groups = self._groups(tasks)
         trajectories, teacher = [None] * len(tasks), [None] * len(tasks)
-        for name, idx in order_by_teacher(names, self.switcher.active):
-            self.switcher.prefetch(name)  # loads while the student samples this group
+        self.switcher.prefetch(groups[0][0])  # the job's first teacher (else already active or staged)
+        for g, (name, idx) in enumerate(groups):
             handles = [self.driver.submit(Request(ro.encode(tasks[i].prompt), t.max_new_tokens,
                                                   temperature=o.temperature, seed=seed + first_id + i,
                                                   stop_ids=trainer.STOP)) for i in idx]
@@ -134,8 +145,10 @@ class Scorer:
                 group.append(ro.Trajectory(ro.encode(task.prompt), res.tokens, res.log_probs, res.versions,
                                            task.verify(ro.decode(res.tokens)), rollout_id=first_id + i,
                                            task_id=task.id, difficulty=task.difficulty))
-            tokens = ro.to_batch(group, length=t.max_len).tokens
-            scores = self.switcher.score(name, tokens, o.temperature, o.topk)
+            model = self.switcher.activate(name)
+            if g + 1 < len(groups):
+                self.switcher.prefetch(groups[g + 1][0])  # loads while this group is scored and the next sampled
+            scores = score(model, ro.to_batch(group, length=t.max_len).tokens, o.temperature, o.topk)
             scores = scores if o.topk else (scores,)
             for j, i in enumerate(idx):
                 trajectories[i] = group[j]
@@ -167,14 +180,14 @@ def run(cfg, workdir: str) -> dict:
     os.makedirs(workdir, exist_ok=True)
     start = time.time()
     o = cfg.opd
-    registry = build_teachers(cfg, workdir)
+    student = build_student(cfg, workdir)
+    registry = build_teachers(cfg, workdir, student)
     heldout = heldout_tasks(cfg)
     teacher_rates = {}
     with TeacherSwitcher(registry, prefetch=False) as loader:
         for name in sorted(registry.specs):
             (domain,) = registry[name].domains
             teacher_rates[domain] = pass_rates(loader.activate(name), {domain: heldout[domain]}, cfg)[domain]
-    student = build_student(cfg, workdir)
     base_rates = pass_rates(student, heldout, cfg)
     for d in heldout:
         print(f"{d}: teacher {registry.route(d)} {teacher_rates[d]:.1%}, student before OPD {base_rates[d]:.1%}",
@@ -190,11 +203,14 @@ def run(cfg, workdir: str) -> dict:
     domains = {d: i for i, d in enumerate(sorted(heldout))}
     history = open(os.path.join(workdir, "metrics.jsonl"), "w")
     step, rollouts, opd_start = 0, 0, time.time()
-    bar = tqdm(total=o.rounds * o.batches_per_round, desc="OPD", mininterval=1.0)
-    for _ in range(o.rounds):
-        tasks = [next(stream) for _ in range(o.batches_per_round * o.batch_size)]
+    bar = tqdm(total=o.rounds * o.batches_per_round * o.epochs, desc="OPD", mininterval=1.0)
+    draw = lambda: [next(stream) for _ in range(o.batches_per_round * o.batch_size)]  # noqa: E731
+    tasks = draw()
+    for r in range(o.rounds):
         trajectories, teacher = scorer.rollouts(tasks, rollouts, cfg.seed * 1_000_003)
-        for b in range(o.batches_per_round):
+        upcoming = draw() if r + 1 < o.rounds else []
+        scorer.prefetch_for(upcoming)  # the next round's first switch loads while this round trains
+        for b in [b for _ in range(o.epochs) for b in range(o.batches_per_round)]:
             rows = slice(b * o.batch_size, (b + 1) * o.batch_size)
             metrics = train_batch(learner, trajectories[rows], teacher[rows],
                                   [domains[domain_of(t)] for t in tasks[rows]], cfg)
@@ -202,9 +218,11 @@ def run(cfg, workdir: str) -> dict:
             step += 1
             history.write(json.dumps({"step": step, "version": store.version, "time": time.time() - start,
                                       "switches": switcher.stats.switches, **metrics}) + "\n")
+            history.flush()
             bar.update(1)
             bar.set_postfix(kl=f"{metrics['reverse_kl']:.3f}", reward=f"{metrics['reward']:.2f}")
         rollouts += len(tasks)
+        tasks = upcoming
     bar.close()
     history.close()
     opd_seconds = time.time() - opd_start

@@ -63,10 +63,11 @@ def test_topk_reverse_kl_matches_numpy():
     mask = (rng.random((b, t)) > 0.3).astype(np.float32)
     expected = np.zeros((b, t))
     for i in range(b):
-        for j in range(t):
+        for j in range(t):  # the K ids and one bucket for the rest of the vocabulary
             ps = np.exp(student[i, j, ids[i, j]])
-            ps /= ps.sum()
-            pt = np.exp(teacher[i, j]) / np.exp(teacher[i, j]).sum()
+            ps = np.append(ps, 1 - ps.sum())
+            pt = np.exp(teacher[i, j])
+            pt = np.append(pt, 1 - pt.sum())
             expected[i, j] = mask[i, j] * np.sum(ps * np.log(ps / pt))
     got = opd.topk_reverse_kl(jnp.asarray(student), jnp.asarray(ids), jnp.asarray(teacher), jnp.asarray(mask))
     np.testing.assert_allclose(got, expected, atol=1e-5)
@@ -202,12 +203,28 @@ def test_distill_step_lowers_the_topk_kl(saved_teachers):
     assert last["topk_kl"] < first["topk_kl"] and learner.steps == 5 and learner.skipped == 0
 
 
+def test_learner_step_with_opd_advantages_moves_the_sampled_tokens():
+    tokens = _tokens(seed=2, b=2, t=10)
+    mask = jnp.asarray(np.arange(10)[None, :] >= 4, jnp.float32) * jnp.ones((2, 1))
+    student = glmjax.init_model(CONFIG, seed=0)
+    logp0, _ = token_logprobs(student, tokens)
+    batch = sao.Batch(tokens=tokens, action_mask=mask, logp_rollout=logp0, versions=jnp.zeros((2, 10), jnp.int32),
+                      rewards=jnp.zeros(2), values=jnp.zeros((2, 10)), rollout_id=jnp.arange(2),
+                      segment_index=jnp.zeros(2, jnp.int32))
+    # The teacher likes row 0's tokens more than the student does and row 1's less.
+    adv = opd.advantages(logp0, logp0 + jnp.asarray([[1.0], [-1.0]]), mask)
+    cfg = dict(algorithm="sao", eps_low=0.2, eps_high=4.0, actor_lr=1e-3, grad_clip=1.0, temperature=1.0)
+    metrics = Learner(student, None, cfg, external_advantages=True).step(batch, advantages=adv)
+    gain = np.asarray((token_logprobs(student, tokens)[0] - logp0) * mask).sum(1)
+    assert gain[0] > 0 > gain[1] and np.isfinite(metrics["policy_loss"])
+
+
 # The job ---------------------------------------------------------------------------------
 SMALL = ["--config.teachers.sorter.steps=4", "--config.teachers.speller.steps=4", "--config.student.steps=4",
-         "--config.teachers.speller.demonstrations=64", "--config.teachers.sorter.demonstrations=64",
+         "--config.teachers.speller.demonstrations=64", "--config.teacher_sft.demonstrations=64",
          "--config.student.demonstrations=32", "--config.task.eval_tasks=4", "--config.task.train_tasks=40",
-         "--config.opd.rounds=2", "--config.opd.batches_per_round=2", "--config.opd.batch_size=4",
-         "--config.opd.slots=8"]
+         "--config.opd.rounds=2", "--config.opd.batches_per_round=2", "--config.opd.epochs=1",
+         "--config.opd.batch_size=4", "--config.opd.slots=8"]
 
 
 def test_opd_job_end_to_end(tmp_path):
