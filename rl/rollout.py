@@ -54,7 +54,14 @@ class Admission:
             raise ValueError(f"rl.eta={eta} is invalid: expected >= 0 (0 = synchronous)")
         self.batch_size, self.eta, self.max_concurrent = batch_size, eta, max_concurrent
         self.accepted = 0  # finished rollouts kept for training (whether trained on yet or not)
+        self.dropped = 0  # finished rollouts not kept (stale, crashed)
         self.running = 0
+
+    @property
+    def issued(self) -> int:
+        """Rollouts started so far: the next rollout's id. A resumed run reissues the ids
+        that were in flight at the checkpoint, so it replays them."""
+        return self.accepted + self.dropped + self.running
 
     def capacity(self, version: int) -> int:
         by_staleness = (self.eta + version + 1) * self.batch_size - (self.accepted + self.running)
@@ -66,12 +73,13 @@ class Admission:
     def finished(self, accepted: bool) -> None:
         self.running -= 1
         self.accepted += int(accepted)
+        self.dropped += int(not accepted)
 
     def state_dict(self) -> dict:
-        return {"accepted": self.accepted}
+        return {"accepted": self.accepted, "dropped": self.dropped}
 
     def load_state_dict(self, state: dict) -> None:
-        self.accepted, self.running = int(state["accepted"]), 0
+        self.accepted, self.dropped, self.running = int(state["accepted"]), int(state.get("dropped", 0)), 0
 
 
 def to_batch(trajectories: Sequence[Trajectory], length: int | None = None, pad_id: int = 0,

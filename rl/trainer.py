@@ -116,7 +116,10 @@ class TaskStream:
         self._it.set_state(state)
 
 
-def run(cfg, workdir: str) -> dict:
+def run(cfg, workdir: str, make_rollout=None) -> dict:
+    """The job (module docstring). `make_rollout(task, rollout_id, compaction)` -> Rollout
+    replaces the default (the task's prompt, the config's sampling), e.g. for benchmarks
+    that fix the generation lengths."""
     os.makedirs(workdir, exist_ok=True)
     start = time.time()
     rl = cfg.rl
@@ -144,21 +147,30 @@ def run(cfg, workdir: str) -> dict:
                                                                    compaction)
     print(f"base model: held-out pass rate {base_rate:.1%} on {len(heldout)} tasks", flush=True)
 
+    def default_rollout(task, rid, compaction):
+        return Rollout(ro.encode(task.prompt), cfg.task.max_new_tokens, compaction=compaction, stop_ids=STOP,
+                       temperature=rl.temperature, seed=rng_seed + rid,
+                       session_id=f"rollout-{rid}" if compaction else None)
+
+    make_rollout = make_rollout or default_rollout
     driver.start()
-    pending, ready, dropped = {}, [], collections.Counter()
+    loop_start = time.time()
+    pending, dropped = {}, collections.Counter()
+    groups = collections.defaultdict(list)  # group id -> its finished rollouts (None where dropped)
+    ready = []  # complete groups, each a list of rollouts, each a list of segments
     step, rollouts, rng_seed = learner.steps, 0, cfg.seed * 1_000_003
-    rows = rl.batch_size * compaction.max_segments if compaction else None  # one learner shape
+    group = rl.get("group_size", 1)  # GRPO-style baselines sample G rollouts per prompt
+    if rl.batch_size % group:
+        raise ValueError(f"rl.batch_size={rl.batch_size} must be a multiple of rl.group_size={group}")
+    rows = rl.batch_size * (compaction.max_segments if compaction else 1)  # one learner shape
     bar = tqdm(total=rl.steps, initial=step, desc="SAO", mininterval=1.0)
     busy = 0.0
     while step < rl.steps:
-        group = rl.get("group_size", 1)  # GRPO-style baselines sample G rollouts per prompt
         while admission.capacity(store.version) >= group:
             task = next(stream)
-            for _ in range(group):
-                rid = admission.accepted + admission.running
-                r = Rollout(ro.encode(task.prompt), cfg.task.max_new_tokens, compaction=compaction, stop_ids=STOP,
-                            temperature=rl.temperature, seed=rng_seed + rid,
-                            session_id=f"rollout-{rid}" if compaction else None)
+            for _ in range(group):  # a group's ids are consecutive: rid // group names it
+                rid = admission.issued
+                r = make_rollout(task, rid, compaction)
                 pending[driver.submit(r.request())] = (task, r, rid)
                 admission.started()
         for h in [h for h in pending if h.done()]:
@@ -167,36 +179,46 @@ def run(cfg, workdir: str) -> dict:
             if not r.done:  # compaction: the summary, or the next segment
                 pending[driver.submit(r.request())] = (task, r, rid)
                 continue
+            segments = None
             if r.finish_reason == "error":
-                admission.finished(False)
                 dropped["error"] += 1
-                continue
-            segments = r.trajectories(task.verify(r.text), rid, task_id=task.id, difficulty=task.difficulty)
-            keep = max(tr.staleness(store.version) for tr in segments) <= rl.tau
-            admission.finished(keep)
-            dropped["stale"] += not keep
-            if keep:
-                ready.append(segments)
-        if len(ready) < rl.batch_size:
+            else:
+                segments = r.trajectories(task.verify(r.text), rid, task_id=task.id, difficulty=task.difficulty)
+                if max(tr.staleness(store.version) for tr in segments) > rl.tau:
+                    segments, dropped["stale"] = None, dropped["stale"] + 1
+            admission.finished(segments is not None)
+            members = groups[rid // group]
+            members.append(segments)
+            if len(members) == group:  # the group is complete: its kept rollouts go to the learner
+                kept = sorted((m for m in members if m is not None), key=lambda m: m[0].rollout_id)
+                if kept:
+                    ready.append(kept)
+                del groups[rid // group]
+        if sum(map(len, ready)) < rl.batch_size:
             time.sleep(0.002)
             continue
-        ready.sort(key=lambda segments: segments[0].rollout_id)  # admission order, not finishing order: replayable
-        batch, ready = [tr for segments in ready[:rl.batch_size] for tr in segments], ready[rl.batch_size:]
+        ready.sort(key=lambda g: g[0][0].rollout_id)  # admission order, not finishing order: replayable
+        take, n = 0, 0
+        while take < len(ready) and n + len(ready[take]) <= rl.batch_size:
+            n, take = n + len(ready[take]), take + 1
+        batch = [tr for g in ready[:take] for rollout in g for tr in rollout]
+        ready = ready[take:]
         t0 = time.time()
-        groups = None
+        group_ids = None
         if group > 1:  # padding rows are groups of their own
-            names = [tr.task_id for tr in batch] + [f"pad-{i}" for i in range((rows or len(batch)) - len(batch))]
-            groups = np.unique(names, return_inverse=True)[1]
-        metrics = learner.step(ro.to_batch(batch, length=cfg.task.max_len, rows=rows), group_ids=groups)
+            names = [tr.rollout_id // group for tr in batch] + [-1 - i for i in range(rows - len(batch))]
+            group_ids = np.unique(names, return_inverse=True)[1]
+        metrics = learner.step(ro.to_batch(batch, length=cfg.task.max_len, rows=rows), group_ids=group_ids)
         store.publish(nnx.state(policy))
-        busy += time.time() - t0
+        learner_s = time.time() - t0
+        busy += learner_s
         last = [tr for tr in batch if tr.finish_reason != "compacted"]  # one row per rollout
         step, rollouts = step + 1, rollouts + len(last)
         staleness = [tr.staleness(store.version - 1) for tr in batch]
         if compaction:
             metrics["segments_per_rollout"] = len(batch) / len(last)
         metrics.update(reward=float(np.mean([tr.reward for tr in last])), staleness_mean=float(np.mean(staleness)),
-                       learner_busy_fraction=busy / max(time.time() - start, 1e-9))
+                       learner_s=learner_s, learner_busy_fraction=busy / max(time.time() - loop_start, 1e-9))
         for k, v in metrics.items():
             writer.add_scalar(f"train/{k}", v, step)
         history.write(json.dumps({"step": step, "version": store.version, "time": time.time() - start,
@@ -209,6 +231,7 @@ def run(cfg, workdir: str) -> dict:
             ckpt.save(step, policy=policy, critic=critic, learner=learner, stream=stream, admission=admission,
                       version=store.version, base_pass_rate=base_rate)
     bar.close()
+    rl_seconds = max(time.time() - loop_start, 1e-9)
     for h in pending:
         h.cancel()
     driver.stop()
@@ -218,8 +241,8 @@ def run(cfg, workdir: str) -> dict:
                           heldout, cfg.task.max_new_tokens, compaction)
     summary = {"base_pass_rate": base_rate, "final_pass_rate": final_rate, "steps": step, "rollouts": rollouts,
                "algorithm": rl.algorithm, "eta": rl.eta, "dropped": dict(dropped), "heldout_tasks": len(heldout),
-               "wall_seconds": time.time() - start, "learner_busy_fraction": busy / (time.time() - start),
-               "relative_gain": (final_rate - base_rate) / max(base_rate, 1e-9)}
+               "wall_seconds": time.time() - start, "rl_seconds": rl_seconds,
+               "learner_busy_fraction": busy / rl_seconds, "relative_gain": (final_rate - base_rate) / max(base_rate, 1e-9)}
     with open(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     writer.close()

@@ -42,6 +42,19 @@ def test_admission_state_round_trip_and_bad_eta():
         ro.Admission(4, -1, 8)
 
 
+def test_rollout_ids_stay_unique_when_samples_are_dropped():
+    a, ids = ro.Admission(4, 2, 8), []
+    for finished in (None, False, True, False, None, True):  # start one; drop or keep the oldest running
+        ids.append(a.issued)
+        a.started()
+        if finished is not None:
+            a.finished(finished)
+    assert ids == list(range(6))
+    b = ro.Admission(4, 2, 8)
+    b.load_state_dict(a.state_dict())  # in-flight rollouts are reissued with their ids after a resume
+    assert (b.accepted, b.dropped, b.issued) == (2, 2, 4)
+
+
 def test_trajectory_staleness_is_from_its_oldest_token():
     tr = ro.Trajectory([1, 2], [3, 4, 5], [-0.1, -0.2, -0.3], [3, 4, 4], 1.0, rollout_id=0)
     assert tr.staleness(6) == 3 and tr.length == 5
