@@ -244,4 +244,5 @@ def test_opd_job_end_to_end(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and all(np.isfinite(r["reverse_kl"]) for r in rows)
     assert "student/teacher" in out.stdout and "teacher switches" in out.stdout
     for name in ("sorter", "speller"):
-        assert (tmp_path / "teachers" / name / "checkpoint" / "config.json").exists()
+        teacher = tmp_path / "teachers" / name
+        assert (teacher / "config.json").exists() and (teacher / "params").is_dir()
