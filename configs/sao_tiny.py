@@ -9,6 +9,11 @@ A base model is first trained briefly on demonstrations ("sort 4 2 9 1=" -> "1 2
 so that it solves some held-out problems but not most; SAO then trains it on its own sampled
 answers, one rollout per prompt, with rewards from the exact-answer verifier. The model
 is configs/tiny.py's with a context of 64 bytes.
+
+Rollouts sample at temperature 0.5: at 0.7 the base's samples are right a tenth of the
+time against a fifth at greedy, and few positives reach the learner; at 0.5 a sample is
+right more often while 70% of the held-out tasks still have a right answer within 16
+samples, so exploration remains.
 """
 
 import os
@@ -32,7 +37,7 @@ def get_config(arg=None):
         demonstrations=3000, steps=130, batch_size=64, seq_len=28, learning_rate=3e-3, warmup=20, mtp_weight=0.3,
         seed=0))
     config.rl = ml_collections.ConfigDict(dict(
-        algorithm="sao", steps=100, batch_size=64, group_size=1, slots=64, eta=2, tau=4, temperature=0.5,
+        algorithm="sao", steps=200, batch_size=64, group_size=1, slots=64, eta=2, tau=4, temperature=0.5,
         eps_low=0.2, eps_high=4.0, alpha=1.5, gamma=1.0, actor_lr=1e-4, critic_lr=1e-3, critic_steps=2,
         critic_warmup=10, freeze_critic_attention=False, grad_clip=1.0))
     # Trajectories longer than the window: summarise and continue (rl/compaction.py);
