@@ -4,7 +4,8 @@ router utilisation and the cost of publishing weights. All in one run, JSON out.
     python benchmarks/engine_bench.py --out results/engine_bench.json
 
 * decode: configs/small.py (random weights, no MTP layer), written by
-  glmjax.save_pretrained and read by transformers, fp32 on both sides. The same workload
+  glmjax.save_pretrained and read by transformers, fp32 weights and compute on both sides
+  (`decode_dtypes`). The same workload
   for both: `batch` prompts of 64 tokens, greedy, --new-tokens each; transformers'
   `generate` vs glmjax's Driver (continuous batching, all requests submitted at once,
   prefill included). Also the share of greedy tokens on which the two agree, and the
@@ -13,12 +14,17 @@ router utilisation and the cost of publishing weights. All in one run, JSON out.
   glmjax/train.py (LM + depth-1 MTP loss + the DSA sparse stage); then, per draft mode
   ("own" MTP cache, "shared" main-model latents and top-k: rl/speculative.py), a copy
   whose MTP layer is fine-tuned --draft-steps steps to draft recursively at depths 1..5
-  (`mtp_draft_logits`). Greedy decoding of held-out prompts at batch 1 with 5 drafts:
+  (glmjax/train.py's multi-depth `mtp_loss`, only the MTP layer trainable). Greedy decoding of held-out prompts at batch 1 with 5 drafts:
   accepted drafts per step (0..5; tokens per step is that plus one) and tokens/s against
   the same engine without drafts.
+* quant: rl/quant.py's weight-only quantization of the routed experts (bf16, int8, int4)
+  against the fp32 weights: on the MTP section's trained tiny model, the logit error and
+  top-1 agreement on held-out sequences and the share of greedy tokens that match; on
+  configs/small.py, decode tokens/s at batch 8 (same workload as the decode section).
 * router: two tiny engines of 8 slots; requests with log-normal lengths; utilisation =
   busy slot-seconds / (slots x makespan), through the router (continuous batching,
-  dispatch on free capacity) and with a static schedule (requests split round-robin in
+  dispatch on free capacity; `router_utilization` with the longest token budget first,
+  `router_utilization_fifo` in arrival order) and with a static schedule (requests split round-robin in
   advance, run in batches of 8 that each wait for their longest member). The router's
   figure also up to the moment its queue empties (`_while_queued`): after that the
   workload drains, whatever the scheduler.
@@ -30,7 +36,6 @@ publish times are medians. Nothing here asserts on time.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 import os
@@ -55,7 +60,7 @@ from glmjax import presets, train  # noqa: E402
 from rl.driver import Driver, Request  # noqa: E402
 from rl.engine import GlmEngine  # noqa: E402
 from rl.router import Router  # noqa: E402
-from rl.speculative import mtp_draft_logits  # noqa: E402
+from rl import quant  # noqa: E402
 from rl.weights import WeightStore  # noqa: E402
 
 PROMPT_LEN = 64
@@ -87,6 +92,8 @@ def bench_decode(args, results: dict) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         glmjax.save_pretrained(model, tmp)
         hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    results["decode_dtypes"] = {"glmjax": {"params": config.param_dtype, "compute": config.dtype},
+                                "transformers": {"params": "float32", "compute": "float32"}}
     rng = np.random.default_rng(0)
     n = args.new_tokens
     for b in args.batches:
@@ -119,21 +126,6 @@ def bench_decode(args, results: dict) -> None:
 
 
 # MTP speculation -------------------------------------------------------------------------
-@functools.partial(nnx.jit, static_argnames=("depth", "mode"))
-def _draft_step(model, optimizer, batch, *, depth, mode):
-    """One step on the drafting loss at depths 1..depth (rl/speculative.py), for the
-    variables the optimizer holds: the mean cross entropy of every depth."""
-
-    def loss(m):
-        ids, mask = batch["input_ids"], batch["loss_mask"]
-        logits = mtp_draft_logits(m, ids, depth, mode)
-        return sum(train.lm_loss(lg[:, :-1], ids[:, j + 2:], mask[:, j + 2:])[0] for j, lg in enumerate(logits)) / depth
-
-    value, grads = nnx.value_and_grad(loss, argnums=nnx.DiffState(0, optimizer.wrt))(model)
-    optimizer.update(model, grads)
-    return value
-
-
 def bench_mtp(args, results: dict) -> None:
     cfg = presets.load_config(REPO / "configs" / "tiny.py")
     config, tc = presets.model_config_from(cfg), dict(cfg.train.to_dict(), steps=args.mtp_steps)
@@ -151,20 +143,22 @@ def bench_mtp(args, results: dict) -> None:
                             "heldout_accuracy": float(metrics["accuracy"]), "corpus_entropy": corpus.entropy}
 
     # The MTP layer drafts recursively at serving time (its output hidden fed back), so it
-    # is fine-tuned at every depth, per draft mode; the main model stays as trained.
+    # is fine-tuned at every depth, per draft mode; the main model stays as trained (the
+    # LM loss in train_step has no gradient on the MTP layer).
     only_mtp = nnx.All(nnx.Param, nnx.PathContains("mtp"), nnx.Not(nnx.PathContains("indexer")))
     drafters = {}
     for mode in ("own", "shared"):
         m = nnx.clone(model)
         opt = train.make_optimizer(dict(tc, steps=args.draft_steps), m, trainable=only_mtp)
         start = time.perf_counter()
-        losses = [float(_draft_step(m, opt, next(data), depth=args.num_draft, mode=mode))
-                  for _ in range(args.draft_steps)]
+        losses = [float(train.train_step(m, opt, next(data), mtp_weight=1.0, mtp_depth=args.num_draft,
+                                         mtp_mode=mode)["mtp_loss"]) for _ in range(args.draft_steps)]
         results["mtp_train"][f"draft_finetune_{mode}"] = {"steps": args.draft_steps, "loss_first": losses[0],
                                                           "loss_last": losses[-1],
                                                           "seconds": time.perf_counter() - start}
         drafters[mode] = m
 
+    args.trained_tiny = (model, corpus)  # for the quant section
     prompts = [list(map(int, row[:16])) for row in corpus.tokens[-args.mtp_prompts:]]
     max_len = 16 + args.mtp_new_tokens + 8
     requests = [Request(p, args.mtp_new_tokens) for p in prompts]
@@ -200,6 +194,50 @@ def bench_mtp(args, results: dict) -> None:
               flush=True)
 
 
+# Weight-only quantization -------------------------------------------------------------
+def _decode_tokens_per_s(model, b, n, repeats) -> float:
+    prompts = np.random.default_rng(0).integers(2, model.config.vocab_size, (b, PROMPT_LEN))
+    driver = Driver(GlmEngine(model, max_concurrent_decodes=b, max_len=PROMPT_LEN + n + 1, prefill_buckets=(PROMPT_LEN,)))
+    requests = [Request(list(map(int, p)), n) for p in prompts]
+    _run(driver, requests)  # compile
+    return b * n / min(_run(driver, requests)[1] for _ in range(repeats))
+
+
+def bench_quant(args, results: dict) -> None:
+    if not hasattr(args, "trained_tiny"):
+        raise ValueError("the quant section needs the mtp section's trained model: run --only mtp,quant")
+    model, corpus = args.trained_tiny
+    held_out = jnp.asarray(corpus.tokens[-64:])
+    ref_logits = np.asarray(model(held_out).logits)
+    prompts = [list(map(int, row[:16])) for row in corpus.tokens[-args.mtp_prompts:]]
+
+    def greedy(m):
+        driver = Driver(GlmEngine(m, max_concurrent_decodes=len(prompts), max_len=16 + args.mtp_new_tokens + 1,
+                                  prefill_buckets=(16,)))
+        return np.array([r.tokens for r in _run(driver, [Request(p, args.mtp_new_tokens) for p in prompts])[0]])
+
+    ref_tokens = greedy(model)
+    small = glmjax.init_model(_config("small", num_nextn_predict_layers=0), seed=0)
+    b = 8
+    out = {"decode_batch": b, "fp32_decode_tokens_per_s": _decode_tokens_per_s(small, b, args.new_tokens, args.repeats),
+           "fp32_weight_bytes_small": quant.weight_bytes(small)}
+    for mode in ("bfloat16", "int8", "int4"):
+        q = quant.quantize(model, mode)
+        logits = np.asarray(q(held_out).logits)
+        tokens = greedy(q)
+        q_small = quant.quantize(small, mode)
+        tps = _decode_tokens_per_s(q_small, b, args.new_tokens, args.repeats)
+        out[mode] = {"logit_error": quant.logit_error(ref_logits, logits),
+                     "top1_agreement": float(np.mean(logits.argmax(-1) == ref_logits.argmax(-1))),
+                     "greedy_token_agreement": float(np.mean(tokens == ref_tokens)),
+                     "weight_bytes_small": quant.weight_bytes(q_small),
+                     "decode_tokens_per_s": tps, "decode_speedup_vs_fp32": tps / out["fp32_decode_tokens_per_s"]}
+        print(f"quant {mode}: logit rel. RMS error {out[mode]['logit_error']['relative_rms']:.4f}, top-1 agreement "
+              f"{out[mode]['top1_agreement']:.4f}, greedy agreement {out[mode]['greedy_token_agreement']:.3f}, "
+              f"decode b{b} {tps:.1f} tok/s ({out[mode]['decode_speedup_vs_fp32']:.2f}x fp32)", flush=True)
+    results["quant"] = out
+
+
 # Router utilisation ----------------------------------------------------------------------
 def _utilisation(drivers, start, end) -> float:
     busy = sum(max(0.0, min(t1, end) - max(t0, start)) * n for d in drivers for t0, t1, n in d.trace)
@@ -224,22 +262,29 @@ def bench_router(args, results: dict) -> None:
         for d in drivers:
             d.trace.clear()
 
-    fresh()
-    for d in drivers:
-        d.start()
-    router = Router(drivers)
-    start = time.perf_counter()
-    handles = [router.submit(r) for r in requests]
-    while router.queued:  # the last request has a slot: from here on the workload drains
-        time.sleep(0.002)
-    queue_empty = time.perf_counter()
-    for h in handles:
-        h.result()
-    end = time.perf_counter()
-    for d in drivers:
-        d.stop()
-    routed, routed_seconds = _utilisation(drivers, start, end), end - start
-    results["router_utilization_while_queued"] = _utilisation(drivers, start, queue_empty)
+    def routed(order):
+        fresh()
+        for d in drivers:
+            d.start()
+        router = Router(drivers, order=order)
+        start = time.perf_counter()
+        handles = [router.submit(r) for r in requests]
+        while router.queued:  # the last request has a slot: from here on the workload drains
+            time.sleep(0.002)
+        queue_empty = time.perf_counter()
+        for h in handles:
+            h.result()
+        end = time.perf_counter()
+        for d in drivers:
+            d.stop()
+        return _utilisation(drivers, start, end), end - start, _utilisation(drivers, start, queue_empty)
+
+    fifo, fifo_seconds, fifo_queued = routed("fifo")
+    results.update(router_utilization_fifo=fifo, router_seconds_fifo=fifo_seconds,
+                   router_utilization_fifo_while_queued=fifo_queued)
+    routed_util, routed_seconds, queued = routed("longest_budget")
+    results["router_utilization_while_queued"] = queued
+    results["router_order"] = "longest_budget"
 
     fresh()
     start = time.perf_counter()
@@ -255,12 +300,12 @@ def bench_router(args, results: dict) -> None:
         t.join()
     static_end = time.perf_counter()
     static_util = _utilisation(drivers, start, static_end)
-    results.update(router_utilization=routed, static_utilization=static_util, router_seconds=routed_seconds,
+    results.update(router_utilization=routed_util, static_utilization=static_util, router_seconds=routed_seconds,
                    static_seconds=static_end - start,
                    router_workload={"replicas": 2, "slots_each": slots, "requests": len(requests),
                                     "lognormal_median": args.router_median, "lognormal_sigma": args.router_sigma,
                                     "mean_new_tokens": float(lengths.mean()), "max_new_tokens": int(lengths.max())})
-    print(f"router utilisation {routed:.3f} ({routed_seconds:.1f} s) vs static {static_util:.3f} "
+    print(f"router utilisation {routed_util:.3f} ({routed_seconds:.1f} s; FIFO {fifo:.3f}) vs static {static_util:.3f} "
           f"({static_end - start:.1f} s)", flush=True)
 
 
@@ -280,7 +325,8 @@ def bench_publish(args, results: dict) -> None:
         print(f"publish {name} ({size / 2**20:.1f} MiB): {1e3 * statistics.median(times):.4f} ms", flush=True)
 
 
-SECTIONS = {"decode": bench_decode, "mtp": bench_mtp, "router": bench_router, "publish": bench_publish}
+SECTIONS = {"decode": bench_decode, "mtp": bench_mtp, "quant": bench_quant, "router": bench_router,
+            "publish": bench_publish}
 
 
 def main(argv=None):

@@ -6,7 +6,11 @@
 The router holds the queue; a replica is given a request only when it has a free slot,
 so work waits in one place and goes to whichever replica frees capacity first (the
 done-callback of every request triggers dispatch). Among replicas with room the least
-loaded (in flight / capacity) wins. Session affinity: a session's next turn goes back to
+loaded (in flight / capacity) wins. The queue's order is `order`: "fifo" (arrival), or
+"longest_budget": the largest max_new_tokens first, Graham's longest-processing-time rule
+for the makespan of a batch of rollouts. When the budgets are the lengths it keeps the
+longest requests from starting last and running alone while every other slot idles;
+when all budgets are equal it is FIFO. Session affinity: a session's next turn goes back to
 the replica that served its last one, where its prefix is cached, and waits for that
 replica rather than recomputing the prefix elsewhere; requests behind it are not held up.
 (slime does the same with SGLang's router: least-loaded data-parallel choice plus
@@ -20,6 +24,7 @@ versions -1, and the server's own sampling settings apply.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import math
 import threading
@@ -27,15 +32,22 @@ from collections.abc import Sequence
 
 from rl.driver import Handle, Request, Result
 
+ORDERS = ("fifo", "longest_budget")
+
 
 class Router:
-    def __init__(self, replicas: Sequence, *, max_sessions: int = 65536):
+    def __init__(self, replicas: Sequence, *, order: str = "fifo", max_sessions: int = 65536):
         if not replicas:
             raise ValueError("Router needs at least one replica")
+        if order not in ORDERS:
+            raise ValueError(f"order={order!r} is invalid: expected one of {ORDERS}")
+        self.order = order
         self.replicas = list(replicas)
         self.in_flight = [0] * len(self.replicas)
         self.dispatched = [0] * len(self.replicas)
-        self._queue: collections.deque[Handle] = collections.deque()
+        self._queue: list[Handle] = []
+        self._keys: list[tuple[int, int]] = []  # the queue's sort keys, in queue order
+        self._arrivals = 0
         self._sessions: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._max_sessions = max_sessions
         self._lock = threading.RLock()
@@ -47,9 +59,17 @@ class Router:
         handle = Handle(request)
         handle.on_cancel = self._dispatch
         with self._lock:
-            self._queue.append(handle)
+            self._arrivals += 1
+            key = (-request.max_new_tokens if self.order == "longest_budget" else 0, self._arrivals)
+            i = bisect.bisect(self._keys, key)
+            self._keys.insert(i, key)
+            self._queue.insert(i, handle)
         self._dispatch()
         return handle
+
+    def _remove(self, handle: Handle) -> None:
+        i = self._queue.index(handle)
+        del self._queue[i], self._keys[i]
 
     @property
     def queued(self) -> int:
@@ -68,7 +88,7 @@ class Router:
         with self._lock:
             for handle in list(self._queue):
                 if handle.cancelled:
-                    self._queue.remove(handle)
+                    self._remove(handle)
                     handle._finish(Result([], [], [], "cancelled", len(handle.request.prompt)))
                     continue
                 i = self._choose(handle.request)
@@ -76,7 +96,7 @@ class Router:
                     if all(n >= r.capacity for n, r in zip(self.in_flight, self.replicas)):
                         break
                     continue  # waits for its own replica; later requests may go elsewhere
-                self._queue.remove(handle)
+                self._remove(handle)
                 self.in_flight[i] += 1
                 self.dispatched[i] += 1
                 sid = handle.request.session_id

@@ -34,8 +34,10 @@ import jax.numpy as jnp
 
 from glmjax.cache import KVCache
 from glmjax.layers.mla import Context
-from glmjax.train import MTP_MODES as MODES
+from glmjax.train import MTP_MODES
 from rl.sampling import sample, sampling_logprobs
+
+MODES = MTP_MODES  # how the draft layer sees its context (module docstring)
 
 
 def _sample_draft(key, logits, temperature, top_k, max_top_k):

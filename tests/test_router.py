@@ -42,6 +42,23 @@ def test_least_loaded_first_and_dispatch_when_capacity_frees():
     assert router.in_flight == [2, 4]
 
 
+def test_longest_budget_order_dispatches_the_largest_budget_first():
+    replica = FakeReplica(1)
+    router = Router([replica], order="longest_budget")
+    router.submit(Request([1], 2))  # takes the only slot
+    for n in (3, 9, 5, 9):
+        router.submit(Request([n], n))
+    order = []
+    while replica.running:
+        order.append(replica.finish().request.max_new_tokens)
+    assert order == [2, 9, 9, 5, 3]  # equal budgets keep their arrival order
+    replica = FakeReplica(1)
+    fifo = Router([replica])
+    for n in (2, 3, 9, 5):
+        fifo.submit(Request([n], n))
+    assert [replica.finish().request.max_new_tokens for _ in range(4)] == [2, 3, 9, 5]
+
+
 def test_least_loaded_prefers_the_emptier_replica():
     a, b = FakeReplica(4), FakeReplica(4)
     router = Router([a, b])
