@@ -5,7 +5,7 @@ router utilisation and the cost of publishing weights. All in one run, JSON out.
 
 * decode: configs/small.py (random weights, no MTP layer), written by
   glmjax.save_pretrained and read by transformers, fp32 weights and compute on both sides
-  (`decode_dtypes`). The same workload
+  (`decode_dtype_*`). The same workload
   for both: `batch` prompts of 64 tokens, greedy, --new-tokens each; transformers'
   `generate` vs glmjax's Driver (continuous batching, all requests submitted at once,
   prefill included). Also the share of greedy tokens on which the two agree, and the
@@ -92,8 +92,8 @@ def bench_decode(args, results: dict) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         glmjax.save_pretrained(model, tmp)
         hf = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
-    results["decode_dtypes"] = {"glmjax": {"params": config.param_dtype, "compute": config.dtype},
-                                "transformers": {"params": "float32", "compute": "float32"}}
+    results["decode_dtype_glmjax"] = f"params {config.param_dtype}, compute {config.dtype}"
+    results["decode_dtype_transformers"] = "params float32, compute float32"
     rng = np.random.default_rng(0)
     n = args.new_tokens
     for b in args.batches:
@@ -219,22 +219,24 @@ def bench_quant(args, results: dict) -> None:
     ref_tokens = greedy(model)
     small = glmjax.init_model(_config("small", num_nextn_predict_layers=0), seed=0)
     b = 8
-    out = {"decode_batch": b, "fp32_decode_tokens_per_s": _decode_tokens_per_s(small, b, args.new_tokens, args.repeats),
-           "fp32_weight_bytes_small": quant.weight_bytes(small)}
+    fp32 = _decode_tokens_per_s(small, b, args.new_tokens, args.repeats)
+    out = {"float32": {"decode_tokens_per_s": fp32, "weight_bytes_small": quant.weight_bytes(small)}}
     for mode in ("bfloat16", "int8", "int4"):
         q = quant.quantize(model, mode)
         logits = np.asarray(q(held_out).logits)
         tokens = greedy(q)
         q_small = quant.quantize(small, mode)
         tps = _decode_tokens_per_s(q_small, b, args.new_tokens, args.repeats)
-        out[mode] = {"logit_error": quant.logit_error(ref_logits, logits),
+        error = quant.logit_error(ref_logits, logits)
+        out[mode] = {"logit_max_abs_error": error["max_abs"], "logit_relative_rms_error": error["relative_rms"],
                      "top1_agreement": float(np.mean(logits.argmax(-1) == ref_logits.argmax(-1))),
                      "greedy_token_agreement": float(np.mean(tokens == ref_tokens)),
                      "weight_bytes_small": quant.weight_bytes(q_small),
-                     "decode_tokens_per_s": tps, "decode_speedup_vs_fp32": tps / out["fp32_decode_tokens_per_s"]}
-        print(f"quant {mode}: logit rel. RMS error {out[mode]['logit_error']['relative_rms']:.4f}, top-1 agreement "
+                     "decode_tokens_per_s": tps, "decode_speedup_vs_fp32": tps / fp32}
+        print(f"quant {mode}: logit rel. RMS error {error['relative_rms']:.4f}, top-1 agreement "
               f"{out[mode]['top1_agreement']:.4f}, greedy agreement {out[mode]['greedy_token_agreement']:.3f}, "
-              f"decode b{b} {tps:.1f} tok/s ({out[mode]['decode_speedup_vs_fp32']:.2f}x fp32)", flush=True)
+              f"decode b{b} {tps:.1f} tok/s ({tps / fp32:.2f}x fp32)", flush=True)
+    results["quant_decode_batch"] = b
     results["quant"] = out
 
 
