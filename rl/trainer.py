@@ -146,6 +146,8 @@ def run(cfg, workdir: str, make_rollout=None) -> dict:
     base_rate = resumed["base_pass_rate"] if resumed else evaluate(driver, heldout, cfg.task.max_new_tokens,
                                                                    compaction)
     print(f"base model: held-out pass rate {base_rate:.1%} on {len(heldout)} tasks", flush=True)
+    if not resumed:
+        writer.add_scalar("eval/pass_rate", base_rate, 0)
 
     def default_rollout(task, rid, compaction):
         return Rollout(ro.encode(task.prompt), cfg.task.max_new_tokens, compaction=compaction, stop_ids=STOP,
@@ -164,7 +166,7 @@ def run(cfg, workdir: str, make_rollout=None) -> dict:
         raise ValueError(f"rl.batch_size={rl.batch_size} must be a multiple of rl.group_size={group}")
     rows = rl.batch_size * (compaction.max_segments if compaction else 1)  # one learner shape
     bar = tqdm(total=rl.steps, initial=step, desc="SAO", mininterval=1.0)
-    busy = 0.0
+    busy, last_step_at = 0.0, time.time()
     while step < rl.steps:
         while admission.capacity(store.version) >= group:
             task = next(stream)
@@ -217,6 +219,9 @@ def run(cfg, workdir: str, make_rollout=None) -> dict:
         staleness = [tr.staleness(store.version - 1) for tr in batch]
         if compaction:
             metrics["segments_per_rollout"] = len(batch) / len(last)
+        now = time.time()
+        metrics["tokens_per_s"] = sum(len(tr.completion) for tr in batch) / max(now - last_step_at, 1e-9)
+        last_step_at = now
         metrics.update(reward=float(np.mean([tr.reward for tr in last])), staleness_mean=float(np.mean(staleness)),
                        learner_s=learner_s, learner_busy_fraction=busy / max(time.time() - loop_start, 1e-9))
         for k, v in metrics.items():
@@ -239,6 +244,7 @@ def run(cfg, workdir: str, make_rollout=None) -> dict:
 
     final_rate = evaluate(Driver(GlmEngine(policy, max_concurrent_decodes=rl.slots, max_len=cfg.task.max_len)),
                           heldout, cfg.task.max_new_tokens, compaction)
+    writer.add_scalar("eval/pass_rate", final_rate, step)
     summary = {"base_pass_rate": base_rate, "final_pass_rate": final_rate, "steps": step, "rollouts": rollouts,
                "algorithm": rl.algorithm, "eta": rl.eta, "dropped": dict(dropped), "heldout_tasks": len(heldout),
                "wall_seconds": time.time() - start, "rl_seconds": rl_seconds,
