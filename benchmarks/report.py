@@ -49,9 +49,11 @@ def plan_table(plans) -> list[str]:
 
 def ablations_table(r) -> list[str]:
     m = r["machine"]
+    common = " ".join(f"--config.{o}" for o in r["common_overrides"])
     out = [f"`notebooks/ablations.ipynb` ({r['rl_steps']} RL steps per run, one seed, {m['platform']}, {m['cpus']} "
-           f"CPU cores at load average {m['load_average_at_start']:.1f}; the whole notebook "
-           f"{r['notebook_seconds'] / 60:.1f} minutes), greedy held-out pass rates:", "",
+           f"CPU cores at load average {m['load_average_at_start']:.1f} at the start and "
+           f"{m['load_average_at_end']:.1f} at the end; the whole notebook {r['notebook_seconds'] / 60:.1f} minutes), "
+           f"greedy held-out pass rates; every arm also has `{common}`:", "",
            "| comparison | arm | config and overrides | base | after RL | change | RL s / step |",
            "| --- | --- | --- | ---: | ---: | ---: | ---: |"]
     for title, c in r["comparisons"].items():
@@ -64,8 +66,6 @@ def ablations_table(r) -> list[str]:
     out += ["", f"IndexShare off (FFFF) against on (FSFS): a forward pass of the base model takes "
                 f"{s['indexshare_off']['forward_ms']:.1f} ms against {s['sao']['forward_ms']:.1f} ms "
                 f"(batch 64 x 64 tokens, {s['forward_speedup']:.2f}x), an RL step {s['rl_step_speedup']:.2f}x as long."]
-    if (REPO / "docs" / "ablations.png").exists():
-        out += ["", "![ablations: reward curves and pass rates](docs/ablations.png)"]
     return out
 
 
