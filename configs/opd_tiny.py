@@ -37,7 +37,7 @@ def get_config(arg=None):
     config.student = ml_collections.ConfigDict(sft)  # the shared base: both families
     config.teacher_sft = ml_collections.ConfigDict(dict(sft, seed=1))  # the base fine-tuned on one family
     config.opd = ml_collections.ConfigDict(dict(
-        rounds=10, batches_per_round=4, epochs=2, batch_size=32, slots=64, temperature=1.0, kl_coef=0.1,
-        outcome_weight=0.0, topk=16, topk_weight=1.0, eps_low=0.2, eps_high=4.0, actor_lr=1e-3, grad_clip=1.0,
-        prefetch=True))
+        rounds=10, batches_per_round=4, epochs=2, batch_size=32, slots=64, temperature=1.0, kl_coef=0.0,
+        outcome_weight=0.0, distribution="full", topk=16, beta=1.0, dist_weight=1.0, eps_low=0.2, eps_high=4.0,
+        actor_lr=1e-3, grad_clip=1.0, prefetch=True))
     return config

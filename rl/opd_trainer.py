@@ -148,8 +148,10 @@ class Scorer:
             model = self.switcher.activate(name)
             if g + 1 < len(groups):
                 self.switcher.prefetch(groups[g + 1][0])  # loads while this group is scored and the next sampled
-            scores = score(model, ro.to_batch(group, length=t.max_len).tokens, o.temperature, o.topk)
-            scores = scores if o.topk else (scores,)
+            tokens = ro.to_batch(group, length=t.max_len).tokens
+            scores = score(model, tokens, o.temperature, topk=o.topk if o.distribution == "topk" else 0,
+                           full=o.distribution == "full")
+            scores = scores if o.distribution in opd.DISTRIBUTIONS else (scores,)
             for j, i in enumerate(idx):
                 trajectories[i] = group[j]
                 teacher[i] = tuple(np.asarray(x[j]) for x in scores)
@@ -164,9 +166,9 @@ def train_batch(learner: Learner, trajectories, teacher, domain_ids, cfg) -> dic
     outcome = opd.outcome_advantages(batch.rewards, jnp.asarray(domain_ids), batch.action_mask)
     adv = opd.advantages(batch.logp_rollout, logp_teacher, batch.action_mask, kl_coef=o.kl_coef, outcome=outcome,
                          outcome_weight=o.outcome_weight)
-    if o.topk:
-        ids, top = (jnp.asarray(np.stack([x[k] for x in teacher])) for k in (1, 2))
-        metrics = opd.distill_step(learner, batch, adv, ids, top, dict(o))
+    if o.distribution in opd.DISTRIBUTIONS:
+        dist = tuple(jnp.asarray(np.stack([x[k] for x in teacher])) for k in range(1, len(teacher[0])))
+        metrics = opd.distill_step(learner, batch, adv, dist, dict(o))
     else:
         metrics = learner.step(batch, advantages=adv)
     kl = opd.reverse_kl(batch.logp_rollout, logp_teacher, batch.action_mask)
@@ -180,6 +182,9 @@ def run(cfg, workdir: str) -> dict:
     os.makedirs(workdir, exist_ok=True)
     start = time.time()
     o = cfg.opd
+    if o.distribution not in (*opd.DISTRIBUTIONS, "sampled"):
+        raise ValueError(f"opd.distribution={o.distribution!r} is invalid: expected one of "
+                         f"{(*opd.DISTRIBUTIONS, 'sampled')}")
     student = build_student(cfg, workdir)
     registry = build_teachers(cfg, workdir, student)
     heldout = heldout_tasks(cfg)
@@ -240,7 +245,8 @@ def run(cfg, workdir: str) -> dict:
         "switches": stats.switches, "cold_loads": stats.cold_loads, "stall_seconds": stats.stall_seconds,
         "background_load_seconds": stats.load_seconds, "peak_host_teachers": stats.peak_host_teachers,
         "teacher_idle_share": stats.stall_seconds / max(opd_seconds, 1e-9), "opd_seconds": opd_seconds,
-        "wall_seconds": time.time() - start, "prefetch": o.prefetch, "topk": o.topk,
+        "wall_seconds": time.time() - start, "prefetch": o.prefetch, "distribution": o.distribution,
+        "topk": o.topk if o.distribution == "topk" else None, "beta": o.beta,
         "outcome_weight": o.outcome_weight,
     }
     with open(os.path.join(workdir, "summary.json"), "w") as f:

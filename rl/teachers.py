@@ -161,13 +161,25 @@ def _score_topk(model, tokens, temperature, k):
     return logp, pad(top_ids), pad(top_logp)
 
 
-def score(model: glmjax.GlmForCausalLM, tokens, temperature: float = 1.0, topk: int = 0):
+@nnx.jit
+def _score_full(model, tokens, temperature):
+    logp, _ = token_logprobs(model, tokens, temperature)
+    logits = model(tokens).logits[:, :-1] / temperature
+    return logp, jnp.pad(jax.nn.log_softmax(logits, axis=-1), ((0, 0), (1, 0), (0, 0)))
+
+
+def score(model: glmjax.GlmForCausalLM, tokens, temperature: float = 1.0, topk: int = 0, full: bool = False):
     """log p_teacher(tokens[t] | tokens[:t]) [B, T] (0 at t = 0), at `temperature`; with
     topk > 0 also the teacher's top-k next-token ids and log-probs at each position
-    [B, T, K] (position t: the distribution of token t given tokens[:t], as for the
-    log-probs; 0 at t = 0)."""
+    [B, T, K], with `full` instead its log-probs of the whole vocabulary [B, T, N]
+    (position t: the distribution of token t given tokens[:t], as for the log-probs; 0
+    at t = 0; `full` is for small vocabularies: N floats per token)."""
+    if topk and full:
+        raise ValueError(f"score: topk={topk} and full=True both asked for; expected one distribution form")
     if topk:
         return _score_topk(model, tokens, float(temperature), topk)
+    if full:
+        return _score_full(model, tokens, float(temperature))
     return _score(model, tokens, float(temperature))
 
 
@@ -265,9 +277,9 @@ class TeacherSwitcher:
         self.active, self._model = name, model
         return model
 
-    def score(self, name: str, tokens, temperature: float = 1.0, topk: int = 0):
+    def score(self, name: str, tokens, temperature: float = 1.0, topk: int = 0, full: bool = False):
         """`score` under teacher `name` (activated first if needed)."""
-        return score(self.activate(name), tokens, temperature, topk)
+        return score(self.activate(name), tokens, temperature, topk, full)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -53,11 +53,20 @@ def test_reverse_kl_advantage_matches_hand_computed_values():
     np.testing.assert_allclose(opd.outcome_advantages(jnp.asarray([1.0, 0.0]), jnp.asarray([0, 1]), mask), 0.0)
 
 
-def test_topk_reverse_kl_matches_numpy():
+def _log_softmax_np(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def _mixed_kl_np(s, t, beta):  # probabilities over the last axis
+    return beta * np.sum(s * np.log(s / t), -1) + (1 - beta) * np.sum(t * np.log(t / s), -1)
+
+
+@pytest.mark.parametrize("beta", [1.0, 0.0, 0.3])
+def test_topk_kl_matches_numpy(beta):
     rng = np.random.default_rng(0)
     b, t, n, k = 2, 5, 11, 4
-    student = rng.normal(size=(b, t, n))
-    student = student - np.log(np.exp(student).sum(-1, keepdims=True))
+    student = _log_softmax_np(rng.normal(size=(b, t, n)))
     ids = np.stack([rng.permutation(n)[:k] for _ in range(b * t)]).reshape(b, t, k)
     teacher = np.log(rng.dirichlet(np.ones(k), size=(b, t)) * 0.7)  # top-k mass 0.7, unnormalised
     mask = (rng.random((b, t)) > 0.3).astype(np.float32)
@@ -68,9 +77,35 @@ def test_topk_reverse_kl_matches_numpy():
             ps = np.append(ps, 1 - ps.sum())
             pt = np.exp(teacher[i, j])
             pt = np.append(pt, 1 - pt.sum())
-            expected[i, j] = mask[i, j] * np.sum(ps * np.log(ps / pt))
-    got = opd.topk_reverse_kl(jnp.asarray(student), jnp.asarray(ids), jnp.asarray(teacher), jnp.asarray(mask))
+            expected[i, j] = mask[i, j] * _mixed_kl_np(ps, pt, beta)
+    got = opd.topk_kl(jnp.asarray(student), jnp.asarray(ids), jnp.asarray(teacher), jnp.asarray(mask), beta)
     np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("beta", [1.0, 0.0, 0.3])
+def test_full_kl_matches_numpy(beta):
+    rng = np.random.default_rng(1)
+    b, t, n = 2, 5, 13
+    student, teacher = (_log_softmax_np(2 * rng.normal(size=(b, t, n))) for _ in range(2))
+    mask = (rng.random((b, t)) > 0.3).astype(np.float32)
+    expected = mask * _mixed_kl_np(np.exp(student), np.exp(teacher), beta)
+    got = opd.full_kl(jnp.asarray(student), jnp.asarray(teacher), jnp.asarray(mask), beta)
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+
+
+def test_full_kl_gradient_reaches_every_token_of_the_vocabulary():
+    """d/dz KL(softmax(z) || t) = p (log p - log t - KL) and d/dz KL(t || softmax(z)) = p - t,
+    for every logit z_v, not just the sampled token's."""
+    rng = np.random.default_rng(2)
+    n = 9
+    z, teacher = rng.normal(size=n), _log_softmax_np(rng.normal(size=n))
+    p = np.exp(_log_softmax_np(z))
+    reverse = np.sum(p * (np.log(p) - teacher))
+    for beta, expected in ((1.0, p * (np.log(p) - teacher - reverse)), (0.0, p - np.exp(teacher))):
+        grad = jax.grad(lambda x: opd.full_kl(jax.nn.log_softmax(x)[None, None], jnp.asarray(teacher)[None, None],
+                                              jnp.ones((1, 1)), beta).sum())(jnp.asarray(z, jnp.float32))
+        np.testing.assert_allclose(grad, expected, atol=1e-5)
+        assert np.all(np.abs(np.asarray(grad)) > 0)
 
 
 # Teachers --------------------------------------------------------------------------------
@@ -108,11 +143,12 @@ def test_registry_routes_each_domain_to_its_teacher(saved_teachers):
                                                                  ("reckoner", [3])]
 
 
-def test_scorer_scores_each_prompt_with_its_domains_teacher(saved_teachers):
+@pytest.mark.parametrize("distribution", ["sampled", "full"])
+def test_scorer_scores_each_prompt_with_its_domains_teacher(saved_teachers, distribution):
     registry, models = saved_teachers
     cfg = ml_collections.ConfigDict(dict(
         task=dict(max_len=32, max_new_tokens=4),
-        opd=dict(temperature=1.0, topk=0)))
+        opd=dict(temperature=1.0, distribution=distribution, topk=0)))
     tasks = [t for f in ("sorting", "strings", "arithmetic") for t in families.make_tasks(f, 2, seed=0, difficulty=1)]
     tasks = [tasks[i] for i in (0, 2, 4, 1, 3, 5)]  # mixed domains
     student = glmjax.init_model(CONFIG, seed=0)
@@ -121,11 +157,16 @@ def test_scorer_scores_each_prompt_with_its_domains_teacher(saved_teachers):
                                                                          max_len=32)), cfg)
         trajectories, scores = scorer.rollouts(tasks, first_id=0, seed=0)
         assert switcher.stats.switches == 2  # three teachers, each once: work grouped by domain
-    for task, tr, (logp,) in zip(tasks, trajectories, scores):
+    for task, tr, (logp, *dist) in zip(tasks, trajectories, scores):
         teacher = models[registry.route(opd_trainer.domain_of(task))]
         tokens = jnp.asarray([tr.prompt + tr.completion], jnp.int32)
         expected = np.asarray(token_logprobs(teacher, tokens)[0])[0]
         np.testing.assert_allclose(logp[:tokens.shape[1]], expected, atol=1e-5)
+        if distribution == "full":  # row t: the teacher's distribution of token t given tokens[:t]
+            logits = np.asarray(teacher(tokens).logits, np.float64)[0, :-1]
+            np.testing.assert_allclose(dist[0][1:tokens.shape[1]], _log_softmax_np(logits), atol=1e-5)
+            np.testing.assert_allclose(np.take_along_axis(dist[0][:tokens.shape[1]], np.asarray(tokens[0])[:, None], 1)[1:, 0],
+                                       expected[1:], atol=1e-5)
 
 
 def test_prefetched_switch_scores_like_a_cold_load(saved_teachers):
@@ -141,7 +182,9 @@ def test_prefetched_switch_scores_like_a_cold_load(saved_teachers):
         warm_scores = np.asarray(warm.score("speller", tokens))
         assert warm.stats.cold_loads == 1 and warm.stats.switches == 1  # only the first activation was cold
         _, top_ids, top_logp = warm.score("speller", tokens, topk=3)
+        full_logp, full_logp_all = warm.score("speller", tokens, full=True)
     np.testing.assert_array_equal(warm_scores, cold_scores)
+    np.testing.assert_array_equal(full_logp, warm_scores)
     expected = np.asarray(token_logprobs(models["speller"], tokens)[0])  # the model before it was saved
     np.testing.assert_allclose(warm_scores, expected, atol=1e-6)
     logits = np.asarray(models["speller"](tokens).logits, np.float64)[:, :-1]
@@ -150,6 +193,8 @@ def test_prefetched_switch_scores_like_a_cold_load(saved_teachers):
     np.testing.assert_allclose(np.asarray(top_logp)[:, 1:], -np.sort(-logp_all, -1)[..., :3], atol=1e-5)
     np.testing.assert_allclose(np.take_along_axis(logp_all, np.asarray(top_ids)[:, 1:], -1),
                                np.asarray(top_logp)[:, 1:], atol=1e-5)
+    np.testing.assert_allclose(np.asarray(full_logp_all)[:, 1:], logp_all, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(full_logp_all)[:, 0], 0.0)
 
 
 def test_prefetch_never_holds_more_than_two_teachers_in_host_memory(saved_teachers, monkeypatch):
@@ -182,7 +227,8 @@ def test_prefetch_never_holds_more_than_two_teachers_in_host_memory(saved_teache
     assert len(alive) >= len(set(order)) and peak[0] <= 2
 
 
-def test_distill_step_lowers_the_topk_kl(saved_teachers):
+@pytest.mark.parametrize("distribution", ["topk", "full"])
+def test_distill_step_lowers_the_distribution_kl(saved_teachers, distribution):
     registry, models = saved_teachers
     tokens = _tokens(seed=1, b=4, t=10)
     mask = jnp.asarray(np.arange(10)[None, :] >= 4, jnp.float32) * jnp.ones((4, 1))
@@ -191,16 +237,26 @@ def test_distill_step_lowers_the_topk_kl(saved_teachers):
     batch = sao.Batch(tokens=tokens, action_mask=mask, logp_rollout=logp, versions=jnp.zeros((4, 10), jnp.int32),
                       rewards=jnp.zeros(4), values=jnp.zeros((4, 10)), rollout_id=jnp.arange(4),
                       segment_index=jnp.zeros(4, jnp.int32))
-    _, ids, top = teachers.score(models["sorter"], tokens, topk=8)
+    teacher = teachers.score(models["sorter"], tokens, topk=8 if distribution == "topk" else 0,
+                             full=distribution == "full")[1:]
     cfg = dict(algorithm="sao", eps_low=0.2, eps_high=4.0, actor_lr=3e-3, grad_clip=1.0, temperature=1.0,
-               topk_weight=1.0)
+               distribution=distribution, beta=1.0, dist_weight=1.0)
     learner = Learner(student, None, cfg, external_advantages=True)
     with pytest.raises(ValueError, match="expected advantages=\\[B, T\\]"):
         learner.step(batch)
-    first = opd.distill_step(learner, batch, jnp.zeros((4, 10)), ids, top, cfg)
+    with pytest.raises(ValueError, match="opd.beta=2.0 is invalid"):
+        opd.distill_step(learner, batch, jnp.zeros((4, 10)), teacher, dict(cfg, beta=2.0))
+    # Before any update the policy loss with zero advantages is 0 and the KL is the hand-made one.
+    student_all = jax.nn.log_softmax(student(tokens).logits[:, :-1], -1)
+    student_all = jnp.pad(student_all, ((0, 0), (1, 0), (0, 0)))
+    kl = (opd.topk_kl(student_all, *teacher, mask) if distribution == "topk" else
+          opd.full_kl(student_all, *teacher, mask))
+    first = opd.distill_step(learner, batch, jnp.zeros((4, 10)), teacher, cfg)
+    np.testing.assert_allclose(first["dist_kl"], float(kl.sum() / mask.sum()), rtol=1e-5)
+    assert first["policy_loss"] == 0.0
     for _ in range(4):
-        last = opd.distill_step(learner, batch, jnp.zeros((4, 10)), ids, top, cfg)
-    assert last["topk_kl"] < first["topk_kl"] and learner.steps == 5 and learner.skipped == 0
+        last = opd.distill_step(learner, batch, jnp.zeros((4, 10)), teacher, cfg)
+    assert last["dist_kl"] < first["dist_kl"] and learner.steps == 5 and learner.skipped == 0
 
 
 def test_learner_step_with_opd_advantages_moves_the_sampled_tokens():
