@@ -37,7 +37,6 @@ def test_notebook_runs_in_smoke_mode(tmp_path, monkeypatch):
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
     monkeypatch.setenv("XLA_FLAGS", " ".join(flags))
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
-    monkeypatch.setenv("MPLBACKEND", "Agg")
     NotebookClient(nb, timeout=1500, kernel_name="python3",
                    resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
 
