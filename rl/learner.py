@@ -109,6 +109,11 @@ def _values(critic, tokens):
     return critic(tokens)
 
 
+# Advantages are dozens of small ops (GAE scans, rollout sums): one compiled call each.
+_sao_advantages = jax.jit(sao.sao_advantages, static_argnames=("alpha", "gamma"))
+_grpo_advantages = jax.jit(sao.grpo_advantages)
+
+
 @functools.partial(nnx.jit, static_argnames=("clipped",))
 def _critic_step(critic, optimizer, batch, returns, weights, clipped):
     def loss_fn(c):
@@ -163,11 +168,11 @@ class Learner:
         if self.critic is not None:
             batch = batch._replace(values=_values(self.critic, batch.tokens))
         if cfg["algorithm"] in ("sao", "ppo"):
-            adv, returns = sao.sao_advantages(batch, alpha=cfg["alpha"], gamma=cfg.get("gamma", 1.0))
+            adv, returns = _sao_advantages(batch, alpha=cfg["alpha"], gamma=cfg.get("gamma", 1.0))
         else:
             if group_ids is None:
                 raise ValueError(f"rl.algorithm={cfg['algorithm']!r} needs group_ids (G rollouts per prompt)")
-            adv, returns = sao.grpo_advantages(batch.rewards, group_ids, batch.action_mask), None
+            adv, returns = _grpo_advantages(batch.rewards, jnp.asarray(group_ids), batch.action_mask), None
         return adv, returns, batch
 
     def critic_update(self, batch: sao.Batch, returns) -> dict:
