@@ -2,16 +2,20 @@
 
     glmjax-train --config configs/opd_tiny.py --workdir /tmp/glmjax-opd
     glmjax-train --config configs/opd_tiny.py --workdir /tmp/glmjax-opd-cold --config.opd.prefetch=False
-    glmjax-train --config configs/opd_tiny.py --workdir /tmp/glmjax-opd-sampled --config.opd.topk=0
+    glmjax-train --config configs/opd_tiny.py --workdir /tmp/glmjax-opd-topk --config.opd.distribution=topk
+    glmjax-train --config configs/opd_tiny.py --workdir /tmp/opd-s --config.opd.distribution=sampled --config.opd.kl_coef=1
 
-A shared base (the tiny model after a short supervised start on two task families,
+A shared base (the tiny model after a supervised start on two task families,
 "sort 9 3 7=" -> "3 7 9\\n" and "rev omp=" -> "pmo\\n") is fine-tuned on each family alone
 into two specialists, the teachers of their family's domain. The student, the base itself,
-is then distilled on mixed prompts: it samples, the teacher of each prompt's domain scores
-its tokens (per-token reverse KL, and the KL over the teacher's top 16 tokens), and it
-trains on that signal through SAO's importance-weighted loss. The
-teachers are orbax checkpoints in the workdir; only the active one is on the device, the
-next one is prefetched while the student samples. rl/opd_trainer.py is the job.
+is then distilled on mixed prompts: it samples (at temperature 0.5, near the greedy
+decoding it is evaluated with), the teacher of each prompt's domain scores its tokens,
+and at every position it visited the student is pulled toward the teacher's whole
+next-token distribution (the vocabulary is 256 bytes, so the full KL is cheap; beta = 0,
+the forward direction: the strings student starts near 0%, where the reverse KL's
+gradient on the teacher's tokens vanishes). The teachers are orbax checkpoints in the
+workdir; only the active one is on the device, the next one is prefetched while the
+student samples. rl/opd_trainer.py is the job.
 """
 
 import os
@@ -34,10 +38,10 @@ def get_config(arg=None):
         speller=dict(family="strings", difficulty=1, steps=250, demonstrations=3000)))
     sft = dict(demonstrations=800, steps=150, batch_size=64, seq_len=24, learning_rate=3e-3, warmup=20,
                mtp_weight=0.3, seed=0)
-    config.student = ml_collections.ConfigDict(sft)  # the shared base: both families
+    config.student = ml_collections.ConfigDict(dict(sft, steps=400))  # the shared base: both families
     config.teacher_sft = ml_collections.ConfigDict(dict(sft, seed=1))  # the base fine-tuned on one family
     config.opd = ml_collections.ConfigDict(dict(
-        rounds=10, batches_per_round=4, epochs=2, batch_size=32, slots=64, temperature=1.0, kl_coef=0.0,
-        outcome_weight=0.0, distribution="full", topk=16, beta=1.0, dist_weight=1.0, eps_low=0.2, eps_high=4.0,
-        actor_lr=1e-3, grad_clip=1.0, prefetch=True))
+        rounds=80, batches_per_round=4, epochs=2, batch_size=32, slots=64, temperature=0.5, kl_coef=0.0,
+        outcome_weight=0.0, distribution="full", topk=16, beta=0.0, dist_weight=1.0, eps_low=0.2, eps_high=4.0,
+        actor_lr=1e-3, warmup=10, grad_clip=1.0, prefetch=True))
     return config

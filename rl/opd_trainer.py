@@ -13,9 +13,12 @@
      then the teacher scores the student's tokens; the round's rollouts are then trained
      on in mixed batches, in draw order, `epochs` times, with the OPD advantages
      (rl/opd.py) through SAO's importance-weighted loss (whose ratio against the rollout
-     log-probs corrects the reuse); every update is published to the engine's WeightStore;
-  4. the student is evaluated on each domain again; workdir/summary.json, metrics.jsonl
-     and a table of teacher / student pass rates per domain.
+     log-probs corrects the reuse) plus, with opd.distribution "full" or "topk", the KL
+     between the two next-token distributions at every visited position; the learning
+     rate warms up, then decays (cosine) to a tenth; every update is published to the
+     engine's WeightStore;
+  4. the student (saved to workdir/student) is evaluated on each domain again;
+     workdir/summary.json, metrics.jsonl and a table of teacher / student pass rates.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import time
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
@@ -198,8 +202,13 @@ def run(cfg, workdir: str) -> dict:
         print(f"{d}: teacher {registry.route(d)} {teacher_rates[d]:.1%}, student before OPD {base_rates[d]:.1%}",
               flush=True)
 
-    learner = Learner(student, None, dict(algorithm="sao", **{k: o[k] for k in (
-        "eps_low", "eps_high", "actor_lr", "grad_clip", "temperature")}), external_advantages=True)
+    total_steps = o.rounds * o.batches_per_round * o.epochs
+    # Warm-up, then cosine decay to a tenth over the job: the last updates average out the
+    # noise of a few dozen rollouts per batch instead of stepping at the full rate.
+    lr = optax.warmup_cosine_decay_schedule(o.actor_lr / 10, o.actor_lr, o.warmup, max(total_steps, o.warmup + 1),
+                                            end_value=o.actor_lr / 10)
+    learner = Learner(student, None, dict(algorithm="sao", actor_lr=lr, **{k: o[k] for k in (
+        "eps_low", "eps_high", "grad_clip", "temperature")}), external_advantages=True)
     store = WeightStore(nnx.state(student))
     driver = Driver(GlmEngine(student, weights=store, max_concurrent_decodes=o.slots, max_len=cfg.task.max_len))
     switcher = TeacherSwitcher(registry, prefetch=o.prefetch)
@@ -208,7 +217,7 @@ def run(cfg, workdir: str) -> dict:
     domains = {d: i for i, d in enumerate(sorted(heldout))}
     history = open(os.path.join(workdir, "metrics.jsonl"), "w")
     step, rollouts, opd_start = 0, 0, time.time()
-    bar = tqdm(total=o.rounds * o.batches_per_round * o.epochs, desc="OPD", mininterval=1.0)
+    bar = tqdm(total=total_steps, desc="OPD", mininterval=1.0)
     draw = lambda: [next(stream) for _ in range(o.batches_per_round * o.batch_size)]  # noqa: E731
     tasks = draw()
     for r in range(o.rounds):
@@ -233,6 +242,7 @@ def run(cfg, workdir: str) -> dict:
     opd_seconds = time.time() - opd_start
     switcher.close()
 
+    glmjax.save_pretrained(student, os.path.join(workdir, "student"))
     final_rates = pass_rates(student, heldout, cfg)
     stats = switcher.stats
     summary = {

@@ -165,8 +165,8 @@ def test_scorer_scores_each_prompt_with_its_domains_teacher(saved_teachers, dist
         if distribution == "full":  # row t: the teacher's distribution of token t given tokens[:t]
             logits = np.asarray(teacher(tokens).logits, np.float64)[0, :-1]
             np.testing.assert_allclose(dist[0][1:tokens.shape[1]], _log_softmax_np(logits), atol=1e-5)
-            np.testing.assert_allclose(np.take_along_axis(dist[0][:tokens.shape[1]], np.asarray(tokens[0])[:, None], 1)[1:, 0],
-                                       expected[1:], atol=1e-5)
+            sampled = np.take_along_axis(dist[0][:tokens.shape[1]], np.asarray(tokens[0])[:, None], 1)[:, 0]
+            np.testing.assert_allclose(sampled[1:], expected[1:], atol=1e-5)
 
 
 def test_prefetched_switch_scores_like_a_cold_load(saved_teachers):
