@@ -24,7 +24,7 @@ def get_config(arg=None):
     # difficulty None: 1..5 mixed; the family has ~780 distinct tasks (~96 held out)
     config.task.update(family="counting", difficulty=None, max_len=41, max_new_tokens=48, train_tasks=600,
                        eval_tasks=90)
-    config.base.update(seq_len=64, steps=300, demonstrations=600)
+    config.base.update(seq_len=64, steps=500, demonstrations=600)
     # Attention over the whole window: the base's supervised training leaves the lightning
     # indexer untrained, and a random top-16 of 40 keys cannot copy the prompt's numbers.
     config.model.index_topk = 64

@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 import glmjax
 from envs import families
+from glmjax import presets
 from glmjax import train as lm_train
 from rl import rollout as ro
 from rl.checkpoint import LoopCheckpointer
@@ -64,7 +65,7 @@ def build_base(cfg, workdir: str) -> glmjax.GlmForCausalLM:
     if os.path.exists(os.path.join(path, "config.json")):
         log.info("loading the cached base model from %s", path)
         return glmjax.from_pretrained(path)
-    model_cfg = glmjax.presets.model_config_from(cfg)
+    model_cfg = presets.model_config_from(cfg)
     model = glmjax.init_model(model_cfg, seed=cfg.base.seed)
     tasks = families.make_tasks(cfg.task.family, cfg.base.demonstrations, seed=cfg.base.seed,
                                 difficulty=cfg.task.difficulty)
@@ -84,10 +85,19 @@ def _compaction(cfg) -> Compaction | None:
     return Compaction.from_config(cfg.rl.get("compaction"), window=cfg.task.max_len - 1)
 
 
+def _budget(prompt, max_new_tokens: int, window: int, compaction: Compaction | None) -> int:
+    """Answer tokens a rollout may write: without compaction, what the window leaves."""
+    return max_new_tokens if compaction else max(1, min(max_new_tokens, window - len(prompt)))
+
+
 def evaluate(driver: Driver, tasks, max_new_tokens: int, compaction: Compaction | None = None) -> float:
     """Greedy pass rate over tasks (compacting, as in training, when configured)."""
-    rollouts = [Rollout(ro.encode(t.prompt), max_new_tokens, compaction=compaction, stop_ids=STOP,
-                        session_id=f"eval-{i}" if compaction else None) for i, t in enumerate(tasks)]
+    window = driver.engine.max_len - driver.engine.num_draft - 1  # what the engine serves per request
+    rollouts = []
+    for i, t in enumerate(tasks):
+        prompt = ro.encode(t.prompt)
+        rollouts.append(Rollout(prompt, _budget(prompt, max_new_tokens, window, compaction), compaction=compaction,
+                                stop_ids=STOP, session_id=f"eval-{i}" if compaction else None))
     while not all(r.done for r in rollouts):
         handles = [(r, driver.submit(r.request())) for r in rollouts if not r.done]
         driver.run_until_idle()
@@ -150,8 +160,9 @@ def run(cfg, workdir: str, make_rollout=None) -> dict:
         writer.add_scalar("eval/pass_rate", base_rate, 0)
 
     def default_rollout(task, rid, compaction):
-        return Rollout(ro.encode(task.prompt), cfg.task.max_new_tokens, compaction=compaction, stop_ids=STOP,
-                       temperature=rl.temperature, seed=rng_seed + rid,
+        prompt = ro.encode(task.prompt)
+        return Rollout(prompt, _budget(prompt, cfg.task.max_new_tokens, cfg.task.max_len - 1, compaction),
+                       compaction=compaction, stop_ids=STOP, temperature=rl.temperature, seed=rng_seed + rid,
                        session_id=f"rollout-{rid}" if compaction else None)
 
     make_rollout = make_rollout or default_rollout
@@ -242,8 +253,8 @@ def run(cfg, workdir: str, make_rollout=None) -> dict:
     driver.stop()
     ckpt.wait()
 
-    final_rate = evaluate(Driver(GlmEngine(policy, max_concurrent_decodes=rl.slots, max_len=cfg.task.max_len)),
-                          heldout, cfg.task.max_new_tokens, compaction)
+    # the training engine (compiled once) serves the final weights, the store's newest
+    final_rate = evaluate(Driver(engine), heldout, cfg.task.max_new_tokens, compaction)
     writer.add_scalar("eval/pass_rate", final_rate, step)
     summary = {"base_pass_rate": base_rate, "final_pass_rate": final_rate, "steps": step, "rollouts": rollouts,
                "algorithm": rl.algorithm, "eta": rl.eta, "dropped": dict(dropped), "heldout_tasks": len(heldout),

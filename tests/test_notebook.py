@@ -32,8 +32,9 @@ def test_the_parameters_cell_has_a_smoke_switch_off_by_default():
 
 def test_notebook_runs_in_smoke_mode(tmp_path, monkeypatch):
     results, figure = tmp_path / "ablations.json", tmp_path / "ablations.png"
+    # One process: the arms share the kernel's compiled steps, and pytest's other worker has the second core.
     nb = with_parameters(nbformat.read(NOTEBOOK, as_version=4), SMOKE=True, WORKDIR=str(tmp_path / "runs"),
-                         RESULTS_JSON=str(results), FIGURE_PNG=str(figure))
+                         RESULTS_JSON=str(results), FIGURE_PNG=str(figure), PROCESSES=1)
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
     monkeypatch.setenv("XLA_FLAGS", " ".join(flags))
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
