@@ -41,7 +41,7 @@ def get_config(arg=None):
     config.student = ml_collections.ConfigDict(dict(sft, steps=400))  # the shared base: both families
     config.teacher_sft = ml_collections.ConfigDict(dict(sft, seed=1))  # the base fine-tuned on one family
     config.opd = ml_collections.ConfigDict(dict(
-        rounds=80, batches_per_round=4, epochs=2, batch_size=32, slots=64, temperature=0.5, kl_coef=0.0,
+        rounds=80, batches_per_round=4, epochs=3, batch_size=32, slots=64, temperature=0.5, kl_coef=0.0,
         outcome_weight=0.0, distribution="full", topk=16, beta=0.0, dist_weight=1.0, eps_low=0.2, eps_high=4.0,
         actor_lr=1e-3, warmup=10, grad_clip=1.0, prefetch=True))
     return config
