@@ -102,6 +102,16 @@ class Rollout:
     def text(self) -> str:
         return decode(self.transcript)
 
+    @property
+    def summarising(self) -> bool:
+        """The next request asks for a summary (of `transcript + pending`)."""
+        return self._kept is not None
+
+    @property
+    def pending(self) -> list[int]:
+        """The cut answer of the segment whose summary is being written ([] otherwise)."""
+        return list(self._kept or [])
+
     def request(self) -> Request | None:
         if self.done:
             return None
@@ -109,7 +119,7 @@ class Rollout:
         kw = dict(temperature=self.temperature, seed=self.seed + 7919 * (self._requests - 1),
                   session_id=self.session_id)
         c = self.compaction
-        if self._kept is not None:  # the summary
+        if self.summarising:
             return Request(self.context + self._kept + encode(c.open), c.summary_tokens,
                            stop_ids=tuple(encode(c.close)), **kw)
         budget = self.max_new_tokens - len(self.transcript)
@@ -122,7 +132,7 @@ class Rollout:
         if result.finish_reason in ("error", "cancelled"):
             self.finish_reason = result.finish_reason
             return
-        if self._kept is None:
+        if not self.summarising:
             self._receive_answer(result)
         else:
             self._receive_summary(result)
@@ -188,12 +198,12 @@ def oracle_segments(prompt: Sequence[int], answer: Sequence[int], compaction: Co
     `summarize(transcript so far)`: the supervised demonstrations for compaction."""
     rollout = Rollout(prompt, len(answer), compaction=compaction)
     while (req := rollout.request()) is not None:
-        if rollout._kept is None:
+        if not rollout.summarising:
             start = len(rollout.transcript)
             tokens = list(answer[start:start + req.max_new_tokens])
             reason = "stop" if start + len(tokens) >= len(answer) else "length"
         else:
-            tokens = encode(summarize(decode(rollout.transcript + rollout._kept)) + compaction.close)
+            tokens = encode(summarize(decode(rollout.transcript + rollout.pending)) + compaction.close)
             reason = "stop" if len(tokens) <= req.max_new_tokens else "length"
             tokens = tokens[:req.max_new_tokens]
         rollout.receive(Result(tokens, [0.0] * len(tokens), [0] * len(tokens), reason))
