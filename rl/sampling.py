@@ -64,6 +64,31 @@ def split_keys(keys: jax.Array, num: int) -> tuple[jax.Array, jax.Array]:
     return split[:, 0], jnp.moveaxis(split[:, 1:], 1, 0)
 
 
+SAMPLE_BLOCK = 128  # vocabulary entries per block of the two-level inverse CDF
+
+
 def sample(keys: jax.Array, logp: jax.Array) -> jax.Array:
-    """One token per row: keys [B], logp [B, N] -> [B] int32."""
-    return jax.vmap(jax.random.categorical)(keys, logp).astype(jnp.int32)
+    """One token per row: keys [B], logp [B, N] -> [B] int32.
+
+    Inverse-CDF sampling, exact for the distribution exp(logp): with u ~ U[0, 1) the token
+    is the first i with cdf_i > u * cdf_N. One uniform per row instead of the N Gumbel
+    draws of jax.random.categorical (16x cheaper at N = 4096 on a CPU). Two levels keep it
+    O(N) and the fp32 sums short: blocks of SAMPLE_BLOCK entries, then within the block.
+    Tokens of probability 0 (top-k, one-hot greedy rows) are never drawn.
+    """
+    b, n = logp.shape
+    blocks = -(-n // SAMPLE_BLOCK)
+    p = jnp.exp(logp.astype(jnp.float32))
+    p = jnp.pad(p, ((0, 0), (0, blocks * SAMPLE_BLOCK - n))).reshape(b, blocks, SAMPLE_BLOCK)
+    rows = jnp.arange(b)
+    block_mass = p.sum(-1)  # [B, blocks]
+    block_cdf = jnp.cumsum(block_mass, -1)
+    u = jax.vmap(jax.random.uniform)(keys) * block_cdf[:, -1]  # [B]
+    j = jnp.minimum(jnp.sum(block_cdf <= u[:, None], -1), blocks - 1)  # the block holding u
+    rest = u - (block_cdf[rows, j] - block_mass[rows, j])
+    inner = jnp.cumsum(p[rows, j], -1)  # [B, SAMPLE_BLOCK]
+    i = jnp.minimum(jnp.sum(inner <= rest[:, None], -1), SAMPLE_BLOCK - 1)
+    token = j * SAMPLE_BLOCK + i
+    # fp32 rounding at a block's edge can land on an entry of probability 0: take the mode
+    drawn = p.reshape(b, -1)[rows, token] > 0
+    return jnp.where(drawn, token, jnp.argmax(logp, -1)).astype(jnp.int32)
