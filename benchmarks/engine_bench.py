@@ -10,6 +10,13 @@ router utilisation and the cost of publishing weights. All in one run, JSON out.
   `generate` vs glmjax's Driver (continuous batching, all requests submitted at once,
   prefill included). Also the share of greedy tokens on which the two agree, and the
   ratio to transformers' figures on a quiet machine (HF_QUIET_TOKENS_PER_S).
+  `*_steady_*`: decode alone, the same way on both sides: (time for --new-tokens tokens
+  less the time for 1) over new_tokens - 1, so prefill drops out.
+  `*_floor_*`: the fastest any implementation could run the same workload here, from this
+  run's measured matmul rate and memory bandwidth: prefill's matmul FLOPs at the matmul
+  rate, then per decode step the larger of its FLOPs at that rate and its weight bytes
+  (non-expert weights plus the experts a batch touches under uniform routing) at the
+  bandwidth. Attention over the cache is left out, so the floor is optimistic.
 * mtp: configs/tiny.py trained --mtp-steps steps on the two-lag Markov corpus of
   glmjax/train.py (LM + depth-1 MTP loss + the DSA sparse stage); then, per draft mode
   ("own" MTP cache, "shared" main-model latents and top-k: rl/speculative.py), a copy
@@ -96,6 +103,7 @@ def bench_decode(args, results: dict) -> None:
     results["decode_dtype_transformers"] = "params float32, compute float32"
     rng = np.random.default_rng(0)
     n = args.new_tokens
+    ceiling = _machine_ceiling(results)
     for b in args.batches:
         prompts = rng.integers(2, config.vocab_size, (b, PROMPT_LEN))
         engine = GlmEngine(model, max_concurrent_decodes=b, max_len=PROMPT_LEN + n + 1, prefill_buckets=(PROMPT_LEN,))
@@ -113,6 +121,21 @@ def bench_decode(args, results: dict) -> None:
                 start = time.perf_counter()
                 hf_out = hf.generate(tp, max_new_tokens=n, min_new_tokens=n, **kw)
                 t_hf = min(t_hf, time.perf_counter() - start)
+            t_hf_1 = math.inf  # prefill and one token: what the steady-state figures subtract
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                hf.generate(tp, max_new_tokens=1, min_new_tokens=1, **kw)
+                t_hf_1 = min(t_hf_1, time.perf_counter() - start)
+        first = [Request(r.prompt, 1) for r in requests]
+        t_ours_1 = min(_run(driver, first)[1] for _ in range(args.repeats))
+        steady, hf_steady = b * (n - 1) / (t_ours - t_ours_1), b * (n - 1) / (t_hf - t_hf_1)
+        results[f"decode_b{b}_steady_tokens_per_s"] = steady
+        results[f"hf_decode_b{b}_steady_tokens_per_s"] = hf_steady
+        results[f"decode_b{b}_steady_speedup_vs_hf"] = steady / hf_steady
+        floor = _floor_seconds(model, b, PROMPT_LEN, n, ceiling)
+        results[f"decode_b{b}_floor_tokens_per_s"] = b * n / floor
+        if b in HF_QUIET_TOKENS_PER_S:
+            results[f"decode_b{b}_floor_over_hf_quiet_figure"] = b * n / floor / HF_QUIET_TOKENS_PER_S[b]
         hf_tokens = hf_out[:, PROMPT_LEN:].numpy()
         agree = np.mean([np.mean(np.array(r.tokens) == h) for r, h in zip(ours, hf_tokens)])
         results[f"decode_b{b}_tokens_per_s"] = b * n / t_ours
@@ -122,7 +145,47 @@ def bench_decode(args, results: dict) -> None:
         if b in HF_QUIET_TOKENS_PER_S:
             results[f"decode_b{b}_speedup_vs_hf_quiet_figure"] = b * n / t_ours / HF_QUIET_TOKENS_PER_S[b]
         print(f"decode b{b}: glmjax {b * n / t_ours:8.1f} tok/s   transformers {b * n / t_hf:8.1f} tok/s   "
-              f"speedup {t_hf / t_ours:.2f}x   greedy agreement {agree:.3f}", flush=True)
+              f"speedup {t_hf / t_ours:.2f}x   greedy agreement {agree:.3f}   steady {steady:.1f} vs "
+              f"{hf_steady:.1f} tok/s = {steady / hf_steady:.2f}x   floor {b * n / floor:.1f} tok/s", flush=True)
+
+
+def _machine_ceiling(results: dict) -> dict:
+    """This run's fp32 matmul rate (jit 2048^3) and read bandwidth (sum of 400 MB)."""
+    def best(f, *xs, repeats=10):
+        jax.block_until_ready(f(*xs))
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            jax.block_until_ready(f(*xs))
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    a = jax.random.normal(jax.random.key(0), (2048, 2048))
+    flops = 2 * 2048 ** 3 / best(jax.jit(lambda a: a @ a), a)
+    big = jnp.ones((100_000_000,), jnp.float32)
+    bandwidth = big.nbytes / best(jax.jit(jnp.sum), big)
+    del big
+    results["machine_matmul_gflops"], results["machine_read_gb_per_s"] = flops / 1e9, bandwidth / 1e9
+    return {"flops": flops, "bandwidth": bandwidth}
+
+
+def _floor_seconds(model, batch: int, prompt: int, new: int, ceiling: dict) -> float:
+    """The workload's lower bound (module docstring): prefill compute + per-step max(compute, weight reads)."""
+    c = model.config
+    dense = expert = 0
+    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
+        names = [str(getattr(k, "key", k)) for k in path]
+        if "embed_tokens" in names:
+            continue  # a lookup, not a matmul
+        if "experts" in names:
+            expert += leaf.size * leaf.dtype.itemsize
+        else:
+            dense += leaf.size * leaf.dtype.itemsize
+    itemsize = jnp.dtype(c.param_dtype).itemsize
+    flops_per_token = 2 * (dense + expert * c.num_experts_per_tok / c.n_routed_experts) / itemsize
+    touched = 1 - (1 - c.num_experts_per_tok / c.n_routed_experts) ** batch  # share of experts a step reads
+    step = max(batch * flops_per_token / ceiling["flops"], (dense + expert * touched) / ceiling["bandwidth"])
+    return batch * prompt * flops_per_token / ceiling["flops"] + (new - 1) * step
 
 
 # MTP speculation -------------------------------------------------------------------------
