@@ -192,6 +192,10 @@ class GlmEngine(_Engine):
         self._max_prefill = min(max_prefill_length or max_len, max_len)
         self.buckets = tuple(sorted(prefill_buckets)) if prefill_buckets else default_buckets(self._max_prefill)
         self._own_mtp = num_draft > 0 and mtp_mode == "own"
+        # The jitted functions take the weights as a flat list of arrays, flattened once per
+        # version: flattening an nnx.State costs more than a small model's decode step.
+        self._treedef = jax.tree.structure(state)
+        self._flat: tuple[Any, list] | None = None  # (state, its leaves) of the last version read
         self._prefill_fn = jax.jit(self._prefill_impl)
         self._generate_fn = jax.jit(self._generate_impl, donate_argnums=(1,))
         self._insert_fn = jax.jit(self._insert_impl, donate_argnums=(1,))
@@ -235,6 +239,21 @@ class GlmEngine(_Engine):
         if isinstance(params, Weights):
             return params
         return Weights(params, -1)
+
+    def _leaves(self, w: Weights) -> list:
+        """The arrays of `w`, in the layout the jitted functions unflatten (a reference
+        list, no copy)."""
+        flat = self._flat
+        if flat is None or flat[0] is not w.state:
+            leaves, treedef = jax.tree.flatten(w.state)
+            if treedef != self._treedef:
+                raise ValueError("the published weights do not have the engine model's structure: publish "
+                                 "nnx.state of the same model (or of rl/quant.quantize of it)")
+            flat = self._flat = (w.state, leaves)
+        return flat[1]
+
+    def _model(self, leaves):
+        return nnx.merge(self.graphdef, jax.tree.unflatten(self._treedef, leaves))
 
     def get_prefix_destination_sharding(self) -> Any:
         return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
@@ -288,14 +307,14 @@ class GlmEngine(_Engine):
         caches = [self._empty if e is None else getattr(e, "cache", e) for e in existing]
         cache = caches[0] if rows == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *caches)
         w = self._weights(params)
-        return self._prefill_fn(w.state, cache, jnp.asarray(ids), jnp.asarray(lengths, jnp.int32),
+        return self._prefill_fn(self._leaves(w), cache, jnp.asarray(ids), jnp.asarray(lengths, jnp.int32),
                                 jnp.asarray([s.temperature for s in sampling], jnp.float32),
                                 jnp.asarray([s.top_k for s in sampling], jnp.int32),
-                                jnp.stack([jax.random.key(s.seed) for s in sampling]), jnp.int32(w.version))
+                                jnp.stack([jax.random.key(s.seed) for s in sampling]), np.int32(w.version))
 
-    def _prefill_impl(self, state, cache, ids, true_length, temperature, top_k, keys, version):
+    def _prefill_impl(self, leaves, cache, ids, true_length, temperature, top_k, keys, version):
         """ids [n, T] after cache [n, S]; true_length, temperature, top_k, keys [n]."""
-        model = nnx.merge(self.graphdef, state)
+        model = self._model(leaves)
         start = cache.lengths  # [n]
         out = model(ids, cache=cache)
         logits, hidden, cache, topk = out.logits, out.hidden, out.cache, out.topk
@@ -401,14 +420,12 @@ class GlmEngine(_Engine):
         """One step for every slot: up to num_draft + 1 tokens each (inactive slots emit
         tokens marked invalid)."""
         w = self._weights(params)
-        state, (tokens, valid, lengths, log_probs, versions) = self._generate_fn(w.state, decode_state,
-                                                                                 jnp.int32(w.version))
+        state, (data, log_probs, versions) = self._generate_fn(self._leaves(w), decode_state, np.int32(w.version))
         k1 = self.num_draft + 1
-        data = jnp.concatenate([tokens, valid.astype(jnp.int32), lengths[:, None]], axis=1)
         return state, ResultTokens(data, log_probs, versions, (0, k1), (k1, 2 * k1), (2 * k1, 2 * k1 + 1), 1)
 
-    def _generate_impl(self, params, state: DecodeState, version):
-        model = nnx.merge(self.graphdef, params)
+    def _generate_impl(self, leaves, state: DecodeState, version):
+        model = self._model(leaves)
         k = self.num_draft
         fed = jnp.concatenate([state.tokens[:, None], state.drafts], axis=1)  # [B, K+1]
         start = state.cache.lengths
@@ -430,4 +447,5 @@ class GlmEngine(_Engine):
         new = state._replace(cache=cache, tokens=pending, drafts=drafts, draft_logp=draft_logp, rng=rng,
                              generated=generated)
         versions = jnp.full(tokens.shape, version, jnp.int32)
-        return new, (tokens, valid, generated, log_probs, versions)
+        data = jnp.concatenate([tokens, valid.astype(jnp.int32), generated[:, None]], axis=1)  # ResultTokens.data
+        return new, (data, log_probs, versions)
