@@ -37,6 +37,7 @@ sys.path.insert(0, str(REPO))
 from glmjax.presets import load_config  # noqa: E402
 from rl import rollout as ro  # noqa: E402
 from rl import trainer  # noqa: E402
+from rl.cli import use_compile_cache  # noqa: E402
 from rl.compaction import Rollout  # noqa: E402
 
 CONFIG = str(REPO / "configs" / "sao_tiny.py")
@@ -113,6 +114,7 @@ def main(argv=None):
     ap.add_argument("--eval-tasks", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
+    use_compile_cache()
     root = pathlib.Path(args.workdir)
     base = root / "base-model"
     if not (base / "base" / "config.json").exists():  # the SFT base, once

@@ -8,15 +8,29 @@
 A config with an `rl` section runs the RL loop (rl/trainer.py); one with an `opd` section
 the on-policy distillation job (rl/opd_trainer.py); one with only `model` and `train`
 trains the language model (glmjax/cli.py). `--config.a.b=value` overrides a field.
+
+Compiled programs are kept in a persistent JAX cache ($GLMJAX_JAX_CACHE, default
+~/.cache/glmjax/jax), so a second run of a job skips the compiles of the first.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
+
+import jax
 
 from glmjax import cli as lm_cli
 from glmjax import presets
+
+CACHE = os.environ.get("GLMJAX_JAX_CACHE", os.path.expanduser("~/.cache/glmjax/jax"))
+
+
+def use_compile_cache(path: str = CACHE) -> None:
+    """Persists every compile that takes over half a second under `path`."""
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 def main(argv=None):
@@ -27,6 +41,7 @@ def main(argv=None):
     bad = [o for o in overrides if not (o.startswith("--config.") and "=" in o)]
     if bad:
         parser.error(f"unrecognised arguments {bad}: overrides are written --config.a.b=value")
+    use_compile_cache()
     path, _, arg = args.config.partition(":")
     cfg = presets.load_config(path, overrides, arg or None)
     if "opd" in cfg:

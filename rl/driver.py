@@ -6,13 +6,15 @@
     driver.run_until_idle()          # or driver.start() for a background thread
     result = handle.result()         # tokens, log_probs, versions, finish_reason
 
-Each `step` first fills every free slot from the queue (one batched prefill per bucket
-length, reusing the session's cached prefix when the prompt continues it, then insert),
-then runs one generate step over all slots and hands each request its new tokens; a
-request that hits a stop id or its token budget (or is cancelled) gives its slot back at
-once, and the next step's admission fills it before decoding again. Every step reads the
-WeightStore's newest version; each token carries the version that produced it. Drive it
-either with `step` / `run_until_idle` from one thread or with `start()`, not both.
+Each `step` first moves the highest-numbered requests down into free slots (requests
+hold the lowest slots, so a step runs only as many rows as are in flight), then fills
+every free slot from the queue (one batched prefill per bucket length, reusing the
+session's cached prefix when the prompt continues it, then insert), then runs one
+generate step over the slots in use and hands each request its new tokens; a request
+that hits a stop id or its token budget (or is cancelled) gives its slot back at once.
+Every step reads the WeightStore's newest version; each token carries the version that
+produced it. Drive it either with `step` / `run_until_idle` from one thread or with
+`start()`, not both.
 The learner must not donate (`donate_argnums`) parameter buffers it has published: the
 engine may still be reading them.
 """
@@ -195,7 +197,8 @@ class Driver:
         busy = [i for i, s in enumerate(self._slots) if s is not None]
         if not busy:
             return bool(self._queue)
-        self.state, result = self.engine.generate(self.params, self.state)
+        rows = self.engine.rows_for(busy[-1] + 1)  # requests hold the lowest slots (_release)
+        self.state, result = self.engine.generate_rows(self.params, self.state, rows)
         result = result.convert_to_numpy()
         self.stats["steps"] += 1
         self.stats["busy_slot_steps"] += len(busy)
@@ -218,6 +221,7 @@ class Driver:
         for i, slot in enumerate(self._slots):
             if slot is not None and slot.handle.cancelled:
                 self._release(i, "cancelled")
+        self._compact()
         free = [i for i, s in enumerate(self._slots) if s is None]
         taken = []
         with self._wake:
@@ -291,6 +295,17 @@ class Driver:
         self.state = self.engine.free(self.state, i)
         slot.out.finish_reason = reason
         slot.handle._finish(slot.out)
+
+    def _compact(self) -> None:
+        """Moves the highest-numbered requests into the free slots below them, so that the n
+        requests in flight hold slots [0, n) and a step runs rows_for(n) rows."""
+        while True:
+            free = next((i for i, s in enumerate(self._slots) if s is None), None)
+            last = max((i for i, s in enumerate(self._slots) if s is not None), default=-1)
+            if free is None or last < free:
+                return
+            self.state = self.engine.free(self.engine.move(self.state, last, free), last)
+            self._slots[free], self._slots[last] = self._slots[last], None
 
     # Background thread -----------------------------------------------------------------
     def start(self) -> "Driver":

@@ -18,14 +18,18 @@ methods). Differences that callers see:
   * `ResultTokens` also carries `log_probs` and `versions` per token; with speculation a
     step returns up to K + 1 tokens per slot, `valid` marking how many.
   * Additions: `prefill_batch` / `insert_batch` (several requests in one call),
-    `extract` (a slot's cache as a batch-1 KVCache, for prefix reuse), `free` (stop a slot).
+    `generate_rows` (a step over the first n slots), `extract` (a slot's cache as a
+    batch-1 KVCache, for prefix reuse), `free` (stop a slot), `move` (a slot into another).
 Scheduling (queue, slots, stop conditions, prefix reuse) is rl/driver.py's.
 
 Decode state: one batch of `max_concurrent_decodes` slots with the latent cache
 [B, max_len, C], rope keys, indexer keys and lengths (glmjax.KVCache), each slot's pending
 token (sampled, not yet in the cache), drafts, sampling settings and random key. Prefill
 lengths are bucketed (powers of two up to max_prefill_length), so each bucket compiles
-once; the decode step compiles once.
+once. A decode step can run the first n slots only (`generate_rows`, n one of
+`decode_rows`: powers of two from 8 up to max_concurrent_decodes), so that a step with few
+requests in flight costs what those need; the driver keeps its requests in the lowest
+slots (`move`). Each row count compiles once.
 """
 
 from __future__ import annotations
@@ -196,8 +200,12 @@ class GlmEngine(_Engine):
         # version: flattening an nnx.State costs more than a small model's decode step.
         self._treedef = jax.tree.structure(state)
         self._flat: tuple[Any, list] | None = None  # (state, its leaves) of the last version read
+        self._empties: dict[int, KVCache] = {}
         self._prefill_fn = jax.jit(self._prefill_impl)
-        self._generate_fn = jax.jit(self._generate_impl, donate_argnums=(1,))
+        self.decode_rows = default_buckets(self._slots, smallest=min(8, self._slots))
+        self._generate_fn = jax.jit(self._generate_rows, donate_argnums=(1,), static_argnums=(3,))
+        self._move_fn = jax.jit(lambda state, src, dst: jax.tree.map(
+            lambda x: x.at[dst].set(x[src]), state), donate_argnums=(0,))
         self._insert_fn = jax.jit(self._insert_impl, donate_argnums=(1,))
         self._free_fn = jax.jit(lambda state, slot: state._replace(active=state.active.at[slot].set(False)),
                                 donate_argnums=(0,))
@@ -275,6 +283,12 @@ class GlmEngine(_Engine):
         cache = KVCache.init(self.config, 1, self.max_len)
         return cache if self._own_mtp else cache._replace(mtp=None)
 
+    def _empty_rows(self, rows: int) -> KVCache:
+        """`rows` empty caches in one batch, made once per row count."""
+        if rows not in self._empties:
+            self._empties[rows] = jax.tree.map(lambda x: jnp.concatenate([x] * rows), self._empty)
+        return self._empties[rows]
+
     def prefill(self, *, params, existing_prefix: Prefix | KVCache | None = None, padded_tokens,
                 true_length: int, sampling: SamplingParams | None = None) -> Prefix:
         """padded_tokens [T] appended after existing_prefix's cache, the first
@@ -305,7 +319,10 @@ class GlmEngine(_Engine):
         for i, t in enumerate(tokens):
             ids[i, :len(t)] = t
         caches = [self._empty if e is None else getattr(e, "cache", e) for e in existing]
-        cache = caches[0] if rows == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *caches)
+        if all(c is self._empty for c in caches):  # new sequences only: no per-call concatenation
+            cache = self._empty_rows(rows)
+        else:
+            cache = caches[0] if rows == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *caches)
         w = self._weights(params)
         return self._prefill_fn(self._leaves(w), cache, jnp.asarray(ids), jnp.asarray(lengths, jnp.int32),
                                 jnp.asarray([s.temperature for s in sampling], jnp.float32),
@@ -360,7 +377,9 @@ class GlmEngine(_Engine):
             for n in rows:
                 prefix = self.prefill_batch(params=None, tokens=[np.zeros(bucket, np.int32)] * n)
                 state = self.insert_batch(prefix, state, list(range(min(n, self._slots))))
-        state, result = self.generate(None, self.free(state, 0))
+        for rows in self.decode_rows:
+            state, result = self.generate_rows(None, state, rows)
+        state = self.move(self.free(state, 0), 1 % self._slots, 0)
         jax.block_until_ready((self.extract(state, 0), result))
 
     # Slots -----------------------------------------------------------------------------
@@ -411,6 +430,15 @@ class GlmEngine(_Engine):
         """Marks `slot` empty: its length stops advancing until the next insert."""
         return self._free_fn(decode_state, jnp.int32(slot))
 
+    def move(self, decode_state: DecodeState, src: int, dst: int) -> DecodeState:
+        """Slot `src`'s contents (cache row, pending token, settings, key) into slot `dst`,
+        whose old contents are dropped; `src` keeps a copy until it is freed or refilled."""
+        return self._move_fn(decode_state, jnp.int32(src), jnp.int32(dst))
+
+    def rows_for(self, slots_in_use: int) -> int:
+        """The decode row count that covers slots [0, slots_in_use)."""
+        return next(r for r in self.decode_rows if r >= slots_in_use)
+
     def extract(self, decode_state: DecodeState, slot: int) -> KVCache:
         """The cache of `slot` as a batch-1 KVCache, usable as `existing_prefix`."""
         return self._extract_fn(decode_state, jnp.int32(slot))
@@ -419,10 +447,27 @@ class GlmEngine(_Engine):
     def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
         """One step for every slot: up to num_draft + 1 tokens each (inactive slots emit
         tokens marked invalid)."""
+        return self.generate_rows(params, decode_state, self._slots)
+
+    def generate_rows(self, params, decode_state: DecodeState, rows: int) -> tuple[DecodeState, ResultTokens]:
+        """`generate` for slots [0, rows) only (rows one of decode_rows); the other slots
+        keep their state and emit nothing."""
+        if rows not in self.decode_rows:
+            raise ValueError(f"rows={rows} is not one of the engine's decode_rows {self.decode_rows}")
         w = self._weights(params)
-        state, (data, log_probs, versions) = self._generate_fn(self._leaves(w), decode_state, np.int32(w.version))
+        state, (data, log_probs, versions) = self._generate_fn(self._leaves(w), decode_state, np.int32(w.version),
+                                                               rows)
         k1 = self.num_draft + 1
         return state, ResultTokens(data, log_probs, versions, (0, k1), (k1, 2 * k1), (2 * k1, 2 * k1 + 1), 1)
+
+    def _generate_rows(self, leaves, state: DecodeState, version, rows: int):
+        """The step on slots [0, rows), written back in place; results padded to every slot."""
+        if rows == self._slots:
+            return self._generate_impl(leaves, state, version)
+        head = jax.tree.map(lambda x: x[:rows], state)
+        new, out = self._generate_impl(leaves, head, version)
+        state = jax.tree.map(lambda full, part: full.at[:rows].set(part), state, new)
+        return state, tuple(jnp.pad(x, ((0, self._slots - rows), (0, 0))) for x in out)
 
     def _generate_impl(self, leaves, state: DecodeState, version):
         model = self._model(leaves)

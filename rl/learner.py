@@ -112,6 +112,7 @@ def _values(critic, tokens):
 # Advantages are dozens of small ops (GAE scans, rollout sums): one compiled call each.
 _sao_advantages = jax.jit(sao.sao_advantages, static_argnames=("alpha", "gamma"))
 _grpo_advantages = jax.jit(sao.grpo_advantages)
+_token_weights = jax.jit(sao.rollout_token_weights)
 
 
 @functools.partial(nnx.jit, static_argnames=("clipped",))
@@ -157,16 +158,31 @@ class Learner:
                 wrt = nnx.All(wrt, nnx.Not(nnx.PathContains("attn")))
             self.critic_opt = _optimizer(self.critic, cfg["critic_lr"], clip, wrt)
         self.external_advantages = external_advantages
+        self._bound = None
         self.steps = 0
         self.skipped = 0
         self._loss_keys = tuple(sorted((k, v) for k, v in self.cfg.items() if k in ("algorithm", "eps_low",
                                                                                     "eps_high", "temperature")))
 
+    @property
+    def _fns(self) -> dict:
+        """The jitted steps with this learner's modules bound (nnx.cached_partial): the
+        module graphs are walked once, not at every call, which on a small model costs more
+        than the step's arithmetic. Variables are shared, so restores and updates show."""
+        if self._bound is None:
+            fns = {"actor_grads": nnx.cached_partial(_actor_grads, self.policy),
+                   "apply": nnx.cached_partial(_apply, self.policy, self.actor_opt)}
+            if self.critic is not None:
+                fns.update(values=nnx.cached_partial(_values, self.critic),
+                           critic_step=nnx.cached_partial(_critic_step, self.critic, self.critic_opt))
+            self._bound = fns
+        return self._bound
+
     def advantages(self, batch: sao.Batch, group_ids=None):
         """(advantages, returns, batch with the critic's values) for the configured algorithm."""
         cfg = self.cfg
         if self.critic is not None:
-            batch = batch._replace(values=_values(self.critic, batch.tokens))
+            batch = batch._replace(values=self._fns["values"](batch.tokens))
         if cfg["algorithm"] in ("sao", "ppo"):
             adv, returns = _sao_advantages(batch, alpha=cfg["alpha"], gamma=cfg.get("gamma", 1.0))
         else:
@@ -175,12 +191,12 @@ class Learner:
             adv, returns = _grpo_advantages(batch.rewards, jnp.asarray(group_ids), batch.action_mask), None
         return adv, returns, batch
 
-    def critic_update(self, batch: sao.Batch, returns) -> dict:
-        weights = sao.rollout_token_weights(batch.action_mask, batch.rollout_id)
+    def critic_update(self, batch: sao.Batch, returns, weights=None) -> dict:
+        if weights is None:
+            weights = _token_weights(batch.action_mask, batch.rollout_id)
         aux = {}
         for _ in range(self.cfg.get("critic_steps", 2)):
-            aux = _critic_step(self.critic, self.critic_opt, batch, returns, weights,
-                               clipped=self.cfg["algorithm"] == "ppo")
+            aux = self._fns["critic_step"](batch, returns, weights, clipped=self.cfg["algorithm"] == "ppo")
         return aux
 
     def step(self, batch: sao.Batch, group_ids=None, advantages=None) -> dict:
@@ -201,22 +217,23 @@ class Learner:
         else:
             adv, returns = jnp.asarray(advantages, jnp.float32), None
         metrics = {}
+        weights = _token_weights(batch.action_mask, batch.rollout_id)
         if self.critic is not None:
-            metrics.update(self.critic_update(batch, returns))
+            metrics.update(self.critic_update(batch, returns, weights))
         warming = self.critic is not None and self.steps < self.cfg.get("critic_warmup", 0)
         if not warming:
-            weights = sao.rollout_token_weights(batch.action_mask, batch.rollout_id)
-            grads, aux = _actor_grads(self.policy, batch, adv, weights, self._loss_keys)
+            grads, aux = self._fns["actor_grads"](batch, adv, weights, self._loss_keys)
             if bool(aux.pop("finite")):
-                _apply(self.policy, self.actor_opt, grads)
+                self._fns["apply"](grads)
             else:
                 self.skipped += 1
                 metrics["skipped_nonfinite"] = 1.0
             metrics.update(aux)
         self.steps += 1
         metrics["critic_warmup"] = float(warming)
-        metrics["advantage_mean"] = jnp.sum(adv * batch.action_mask) / jnp.maximum(batch.action_mask.sum(), 1)
-        return {k: float(np.asarray(v)) for k, v in metrics.items()}
+        mask = batch.action_mask
+        metrics["advantage_mean"] = jnp.sum(adv * mask) / jnp.maximum(jnp.sum(mask), 1)
+        return {k: float(v) for k, v in jax.device_get(metrics).items()}  # one transfer
 
 
 def pretrain_value(critic: ValueModel, batches, steps: int, lr: float = 1e-4) -> list[float]:

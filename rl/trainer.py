@@ -90,6 +90,15 @@ def _budget(prompt, max_new_tokens: int, window: int, compaction: Compaction | N
     return max_new_tokens if compaction else max(1, min(max_new_tokens, window - len(prompt)))
 
 
+def _prefill_buckets(engine: GlmEngine, tasks, compaction: Compaction | None) -> tuple[int, ...]:
+    """The prefill lengths a job uses: up to its longest prompt's bucket; with compaction
+    every bucket (a continuation prompt holds a summary and can have any length)."""
+    if compaction:
+        return engine.buckets
+    longest = engine.bucket(max(len(ro.encode(t.prompt)) for t in tasks))
+    return tuple(b for b in engine.buckets if b <= longest)
+
+
 def evaluate(driver: Driver, tasks, max_new_tokens: int, compaction: Compaction | None = None) -> float:
     """Greedy pass rate over tasks (compacting, as in training, when configured)."""
     window = driver.engine.max_len - driver.engine.num_draft - 1  # what the engine serves per request
@@ -143,6 +152,10 @@ def run(cfg, workdir: str, make_rollout=None) -> dict:
     store = WeightStore(nnx.state(policy))
     engine = GlmEngine(policy, weights=store, max_concurrent_decodes=rl.slots, max_len=cfg.task.max_len)
     driver = Driver(engine)
+    compaction = _compaction(cfg)
+    warmup_start = time.time()  # every prefill shape now, so that no rollout waits for a compile mid-run
+    engine.warmup(buckets=_prefill_buckets(engine, train_tasks + heldout, compaction))
+    warmup_seconds = time.time() - warmup_start
     stream = TaskStream(train_tasks, seed=cfg.task.seed)
     admission = ro.Admission(rl.batch_size, rl.eta, rl.slots)
     ckpt = LoopCheckpointer(os.path.join(workdir, "checkpoints"), keep=2)
@@ -152,7 +165,6 @@ def run(cfg, workdir: str, make_rollout=None) -> dict:
     writer = _writer(workdir)
     history = open(os.path.join(workdir, "metrics.jsonl"), "a")
 
-    compaction = _compaction(cfg)
     base_rate = resumed["base_pass_rate"] if resumed else evaluate(driver, heldout, cfg.task.max_new_tokens,
                                                                    compaction)
     print(f"base model: held-out pass rate {base_rate:.1%} on {len(heldout)} tasks", flush=True)
@@ -258,7 +270,7 @@ def run(cfg, workdir: str, make_rollout=None) -> dict:
     writer.add_scalar("eval/pass_rate", final_rate, step)
     summary = {"base_pass_rate": base_rate, "final_pass_rate": final_rate, "steps": step, "rollouts": rollouts,
                "algorithm": rl.algorithm, "eta": rl.eta, "dropped": dict(dropped), "heldout_tasks": len(heldout),
-               "wall_seconds": time.time() - start, "rl_seconds": rl_seconds,
+               "wall_seconds": time.time() - start, "warmup_seconds": warmup_seconds, "rl_seconds": rl_seconds,
                "learner_busy_fraction": busy / rl_seconds, "relative_gain": (final_rate - base_rate) / max(base_rate, 1e-9)}
     with open(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

@@ -16,7 +16,8 @@ import jax  # noqa: E402  (after the environment above)
 
 _REPO = pathlib.Path(__file__).resolve().parent.parent
 
-jax.config.update("jax_compilation_cache_dir", os.environ.get("GLMJAX_JAX_CACHE", str(_REPO / ".jax_cache")))
+os.environ.setdefault("GLMJAX_JAX_CACHE", str(_REPO / ".jax_cache"))  # jobs started in subprocesses share it
+jax.config.update("jax_compilation_cache_dir", os.environ["GLMJAX_JAX_CACHE"])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 jax.config.update("jax_enable_x64", False)

@@ -210,3 +210,29 @@ def test_warmup_compiles_every_prefill_shape(model):
             driver.submit(Request(p, 2))
         driver.run_until_idle()
     assert compiles == []
+
+
+def test_requests_hold_the_lowest_slots_and_steps_run_only_those_rows(model):
+    """36 requests with random budgets through 12 slots: each step runs the smallest
+    decode row count that covers the requests in flight (finished requests' slots are
+    filled by moving the highest ones down), and every output still equals
+    glmjax.generate's greedy tokens."""
+    engine = GlmEngine(model, max_concurrent_decodes=12, max_len=48, prefill_buckets=(8,))
+    assert engine.decode_rows == (8, 12)
+    budgets = [int(n) for n in np.random.default_rng(5).integers(1, 20, 36)]
+    ps = prompts([7] * len(budgets), seed=21)
+    steps = []  # (rows run, requests in flight)
+    generate_rows = engine.generate_rows
+
+    def recording(params, state, rows):
+        steps.append((rows, sum(s is not None for s in driver._slots)))
+        return generate_rows(params, state, rows)
+
+    engine.generate_rows = recording
+    driver = Driver(engine)
+    handles = [driver.submit(Request(p, max_new_tokens=n)) for p, n in zip(ps, budgets)]
+    driver.run_until_idle()
+    assert all(rows == engine.rows_for(busy) for rows, busy in steps)
+    assert {rows for rows, _ in steps} == {8, 12}
+    for h, p, n in zip(handles, ps, budgets):
+        assert h.result(timeout=0).tokens == greedy_reference(model, p, 19)[:n]
