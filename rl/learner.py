@@ -89,7 +89,6 @@ def _policy_objective(policy, batch: sao.Batch, advantages, weights, cfg):
     return loss, aux
 
 
-@functools.partial(nnx.jit, static_argnames=("cfg_items",))
 def _actor_grads(policy, batch, advantages, weights, cfg_items):
     cfg = dict(cfg_items)
     (loss, aux), grads = nnx.value_and_grad(
@@ -104,18 +103,18 @@ def _apply(model, optimizer, grads):
     optimizer.update(model, grads)
 
 
-@nnx.jit
-def _values(critic, tokens):
-    return critic(tokens)
+@functools.partial(nnx.jit, static_argnames=("cfg_items",))
+def _actor_step(policy, optimizer, batch, advantages, weights, cfg_items):
+    """Step 4 in one call: the objective's gradients, applied only when the loss and every
+    gradient are finite (aux["finite"] says whether they were)."""
+    def update(p, o, g):
+        o.update(p, g)
+
+    grads, aux = _actor_grads(policy, batch, advantages, weights, cfg_items)
+    nnx.cond(aux["finite"], update, lambda p, o, g: None, policy, optimizer, grads)
+    return aux
 
 
-# Advantages are dozens of small ops (GAE scans, rollout sums): one compiled call each.
-_sao_advantages = jax.jit(sao.sao_advantages, static_argnames=("alpha", "gamma"))
-_grpo_advantages = jax.jit(sao.grpo_advantages)
-_token_weights = jax.jit(sao.rollout_token_weights)
-
-
-@functools.partial(nnx.jit, static_argnames=("clipped",))
 def _critic_step(critic, optimizer, batch, returns, weights, clipped):
     def loss_fn(c):
         values = c(batch.tokens)
@@ -128,6 +127,25 @@ def _critic_step(critic, optimizer, batch, returns, weights, clipped):
     (_, aux), grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, optimizer.wrt), has_aux=True)(critic)
     optimizer.update(critic, grads)
     return aux
+
+
+@functools.partial(nnx.jit, static_argnames=("alpha", "gamma", "steps", "clipped"))
+def _critic_phase(critic, optimizer, batch, weights, alpha, gamma, steps, clipped):
+    """Steps 1-3 in one call: the critic's values (a snapshot before any update), the
+    advantages and returns from them, then `steps` critic updates on those fixed returns.
+    Returns (advantages, values, aux of the last critic step)."""
+    batch = batch._replace(values=critic(batch.tokens))
+    adv, returns = sao.sao_advantages(batch, alpha=alpha, gamma=gamma)
+    aux = {}
+    for _ in range(steps):
+        aux = _critic_step(critic, optimizer, batch, returns, weights, clipped)
+    return adv, batch.values, aux
+
+
+# Dozens of small ops each (GAE scans, rollout sums): one compiled call.
+_grpo_advantages = jax.jit(sao.grpo_advantages)
+_token_weights = jax.jit(sao.rollout_token_weights)
+_critic_update = nnx.jit(_critic_step, static_argnames=("clipped",))  # value pretraining
 
 
 class Learner:
@@ -170,34 +188,11 @@ class Learner:
         module graphs are walked once, not at every call, which on a small model costs more
         than the step's arithmetic. Variables are shared, so restores and updates show."""
         if self._bound is None:
-            fns = {"actor_grads": nnx.cached_partial(_actor_grads, self.policy),
-                   "apply": nnx.cached_partial(_apply, self.policy, self.actor_opt)}
+            fns = {"actor_step": nnx.cached_partial(_actor_step, self.policy, self.actor_opt)}
             if self.critic is not None:
-                fns.update(values=nnx.cached_partial(_values, self.critic),
-                           critic_step=nnx.cached_partial(_critic_step, self.critic, self.critic_opt))
+                fns["critic_phase"] = nnx.cached_partial(_critic_phase, self.critic, self.critic_opt)
             self._bound = fns
         return self._bound
-
-    def advantages(self, batch: sao.Batch, group_ids=None):
-        """(advantages, returns, batch with the critic's values) for the configured algorithm."""
-        cfg = self.cfg
-        if self.critic is not None:
-            batch = batch._replace(values=self._fns["values"](batch.tokens))
-        if cfg["algorithm"] in ("sao", "ppo"):
-            adv, returns = _sao_advantages(batch, alpha=cfg["alpha"], gamma=cfg.get("gamma", 1.0))
-        else:
-            if group_ids is None:
-                raise ValueError(f"rl.algorithm={cfg['algorithm']!r} needs group_ids (G rollouts per prompt)")
-            adv, returns = _grpo_advantages(batch.rewards, jnp.asarray(group_ids), batch.action_mask), None
-        return adv, returns, batch
-
-    def critic_update(self, batch: sao.Batch, returns, weights=None) -> dict:
-        if weights is None:
-            weights = _token_weights(batch.action_mask, batch.rollout_id)
-        aux = {}
-        for _ in range(self.cfg.get("critic_steps", 2)):
-            aux = self._fns["critic_step"](batch, returns, weights, clipped=self.cfg["algorithm"] == "ppo")
-        return aux
 
     def step(self, batch: sao.Batch, group_ids=None, advantages=None) -> dict:
         """One update; returns host-side metrics (floats). A batch with non-finite rewards
@@ -208,32 +203,36 @@ class Learner:
             raise ValueError(f"Learner.step: expected advantages={'[B, T]' if self.external_advantages else 'None'} "
                              f"(external_advantages={self.external_advantages}), got "
                              f"{'None' if advantages is None else 'an array'}")
-        mask = np.asarray(batch.action_mask) > 0
-        if not (np.isfinite(np.asarray(batch.rewards)).all() and np.isfinite(np.asarray(batch.logp_rollout)[mask]).all()):
+        mask = np.asarray(batch.action_mask)
+        if not (np.isfinite(np.asarray(batch.rewards)).all()
+                and np.isfinite(np.asarray(batch.logp_rollout)[mask > 0]).all()):
             self.skipped += 1
             return {"skipped_nonfinite": 1.0}
-        if advantages is None:
-            adv, returns, batch = self.advantages(batch, group_ids)
-        else:
-            adv, returns = jnp.asarray(advantages, jnp.float32), None
-        metrics = {}
+        cfg, metrics = self.cfg, {}
         weights = _token_weights(batch.action_mask, batch.rollout_id)
-        if self.critic is not None:
-            metrics.update(self.critic_update(batch, returns, weights))
-        warming = self.critic is not None and self.steps < self.cfg.get("critic_warmup", 0)
-        if not warming:
-            grads, aux = self._fns["actor_grads"](batch, adv, weights, self._loss_keys)
-            if bool(aux.pop("finite")):
-                self._fns["apply"](grads)
-            else:
-                self.skipped += 1
-                metrics["skipped_nonfinite"] = 1.0
+        if advantages is not None:
+            adv = jnp.asarray(advantages, jnp.float32)
+        elif self.critic is not None:
+            adv, values, aux = self._fns["critic_phase"](
+                batch, weights, alpha=cfg["alpha"], gamma=cfg.get("gamma", 1.0), steps=cfg.get("critic_steps", 2),
+                clipped=cfg["algorithm"] == "ppo")
+            batch = batch._replace(values=values)
             metrics.update(aux)
+        else:
+            if group_ids is None:
+                raise ValueError(f"rl.algorithm={cfg['algorithm']!r} needs group_ids (G rollouts per prompt)")
+            adv = _grpo_advantages(batch.rewards, jnp.asarray(group_ids), batch.action_mask)
+        warming = self.critic is not None and self.steps < cfg.get("critic_warmup", 0)
+        if not warming:
+            metrics.update(self._fns["actor_step"](batch, adv, weights, self._loss_keys))
+        metrics = jax.device_get(metrics)  # one transfer
+        if not warming and not metrics.pop("finite"):
+            self.skipped += 1
+            metrics["skipped_nonfinite"] = 1.0
         self.steps += 1
         metrics["critic_warmup"] = float(warming)
-        mask = batch.action_mask
-        metrics["advantage_mean"] = jnp.sum(adv * mask) / jnp.maximum(jnp.sum(mask), 1)
-        return {k: float(v) for k, v in jax.device_get(metrics).items()}  # one transfer
+        metrics["advantage_mean"] = float(np.sum(np.asarray(adv) * mask) / max(mask.sum(), 1))
+        return {k: float(v) for k, v in metrics.items()}
 
 
 def pretrain_value(critic: ValueModel, batches, steps: int, lr: float = 1e-4) -> list[float]:
@@ -245,5 +244,5 @@ def pretrain_value(critic: ValueModel, batches, steps: int, lr: float = 1e-4) ->
         returns = sao.place_rewards(batch.rewards, batch.action_mask, batch.rollout_id, batch.segment_index)
         returns = jnp.flip(jnp.cumsum(jnp.flip(returns, 1), 1), 1)
         weights = sao.rollout_token_weights(batch.action_mask, batch.rollout_id)
-        losses.append(float(_critic_step(critic, opt, batch, returns, weights, clipped=False)["value_loss"]))
+        losses.append(float(_critic_update(critic, opt, batch, returns, weights, clipped=False)["value_loss"]))
     return losses
