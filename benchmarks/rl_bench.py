@@ -7,9 +7,13 @@
    is ignored, so lengths are what was drawn. Synchronous (eta = 0): the learner waits for
    the batch's slowest rollout and the engine idles while it trains. Asynchronous
    (eta = 2): freed slots take new prompts at once and generation runs on while the
-   learner trains. Figures: rollouts trained per second over the steps after the first
-   two (compilation), their ratio `async_vs_sync_throughput`, and the learner's busy
-   share of wall time in async mode `learner_busy_fraction`.
+   learner trains, and pauses while a complete next batch already waits (the learner and
+   the engine share the machine). Every shape is compiled before the loop. Figures, per
+   arm: rollouts trained per second from the median interval between learner steps after
+   the first two, the learner's busy share of that time, and the share of a synchronous
+   step spent generating; the arms run --repeats times in alternation (sync, async, sync,
+   ...) and each figure is the median over repeats: `async_vs_sync_throughput` and, in
+   async mode, `learner_busy_fraction`.
 2. SAO against GRPO at eta = 4 on the main job's task (configs/sao_tiny.py): SAO with one
    rollout per prompt and the value model, GRPO with 8 per prompt and the same rollouts
    per step. Reward and entropy curves per step, the held-out pass rates, and whether the
@@ -71,14 +75,14 @@ def throughput_arm(workdir, base, eta, args) -> dict:
 
     wd = _fresh(pathlib.Path(workdir), base)
     trainer.run(cfg, str(wd), make_rollout=lognormal_rollout)
-    rows = _metrics(wd)[2:]  # the first steps compile
-    span = rows[-1]["time"] - rows[0]["time"]
-    trained = args.batch * (len(rows) - 1)
+    rows = _metrics(wd)[2:]  # the first steps warm up
+    step_s = statistics.median(b["time"] - a["time"] for a, b in zip(rows, rows[1:]))
+    learner_s = statistics.median(r["learner_s"] for r in rows[1:])
     drawn = np.asarray(list(lengths.values()))
-    return {"eta": eta, "rollouts_per_s": trained / span, "steps_measured": len(rows) - 1,
-            "learner_busy_fraction": sum(r["learner_s"] for r in rows[1:]) / span,
-            "seconds_per_step": span / (len(rows) - 1), "mean_len": float(drawn.mean()),
-            "p50_len": float(np.median(drawn)), "max_len": int(drawn.max())}
+    return {"eta": eta, "rollouts_per_s": args.batch / step_s, "steps_measured": len(rows) - 1,
+            "seconds_per_step": step_s, "learner_seconds_per_step": learner_s,
+            "learner_busy_fraction": min(1.0, learner_s / step_s), "generation_share": max(0.0, 1 - learner_s / step_s),
+            "mean_len": float(drawn.mean()), "p50_len": float(np.median(drawn)), "max_len": int(drawn.max())}
 
 
 def stability_arm(workdir, base, algorithm, args) -> dict:
@@ -109,7 +113,8 @@ def main(argv=None):
     ap.add_argument("--median-len", type=float, default=24)
     ap.add_argument("--sigma", type=float, default=1.0)
     ap.add_argument("--max-len", type=int, default=64, help="the context (the base model's positions)")
-    ap.add_argument("--throughput-steps", type=int, default=12)
+    ap.add_argument("--throughput-steps", type=int, default=24)
+    ap.add_argument("--repeats", type=int, default=3, help="alternating runs of each throughput arm")
     ap.add_argument("--steps", type=int, default=60, help="steps of each SAO / GRPO run")
     ap.add_argument("--eval-tasks", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
@@ -122,11 +127,17 @@ def main(argv=None):
         trainer.build_base(cfg, str(base))
     t0, load0 = time.time(), os.getloadavg()[0]
     results = {"config": "configs/sao_tiny.py", "load_average_start": load0}
-    sync = throughput_arm(root / "sync", base, 0, args)
-    asynchronous = throughput_arm(root / "async", base, 2, args)
-    results.update({"sync": sync, "async": asynchronous,
-                    "async_vs_sync_throughput": asynchronous["rollouts_per_s"] / sync["rollouts_per_s"],
-                    "learner_busy_fraction": asynchronous["learner_busy_fraction"]})
+    runs = {"sync": [], "async": []}
+    for _ in range(args.repeats):  # alternating, so that a noisy minute does not hit one arm only
+        runs["sync"].append(throughput_arm(root / "sync", base, 0, args))
+        runs["async"].append(throughput_arm(root / "async", base, 2, args))
+    med = lambda arm, key: statistics.median(r[key] for r in runs[arm])  # noqa: E731
+    results.update({"sync": runs["sync"], "async": runs["async"],
+                    "async_vs_sync_throughput": med("async", "rollouts_per_s") / med("sync", "rollouts_per_s"),
+                    "learner_busy_fraction": med("async", "learner_busy_fraction"),
+                    "sync_generation_share": med("sync", "generation_share"),
+                    "async_vs_sync_throughput_per_repeat": [a["rollouts_per_s"] / b["rollouts_per_s"]
+                                                            for a, b in zip(runs["async"], runs["sync"])]})
     print(f"async / sync throughput {results['async_vs_sync_throughput']:.2f}x, "
           f"learner busy {results['learner_busy_fraction']:.2f}", flush=True)
     results["sao_vs_grpo_eta4"] = {a: stability_arm(root / a, base, a, args) for a in ("sao", "grpo")}

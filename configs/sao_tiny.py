@@ -39,7 +39,9 @@ def get_config(arg=None):
     config.rl = ml_collections.ConfigDict(dict(
         algorithm="sao", steps=200, batch_size=64, group_size=1, slots=64, eta=2, tau=4, temperature=0.5,
         eps_low=0.2, eps_high=4.0, alpha=1.5, gamma=1.0, actor_lr=1e-4, critic_lr=1e-3, critic_steps=2,
-        critic_warmup=10, freeze_critic_attention=False, grad_clip=1.0))
+        critic_warmup=10, freeze_critic_attention=False, grad_clip=1.0,
+        # generation pauses while a complete next batch waits: the engine and the learner share the machine
+        generation_yields=True))
     # Trajectories longer than the window: summarise and continue (rl/compaction.py);
     # configs/compaction_tiny.py turns it on for answers that outgrow the context.
     config.rl.compaction = ml_collections.ConfigDict(dict(enabled=False, summary_tokens=6, max_segments=4))

@@ -141,6 +141,7 @@ class Driver:
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._paused = False
 
     # Submission ------------------------------------------------------------------------
     @property
@@ -316,6 +317,18 @@ class Driver:
             self._thread.start()
         return self
 
+    def pause(self) -> None:
+        """Holds the background thread between steps (requests stay queued or in flight, and
+        submissions are accepted) until `resume`: for a colocated learner that has all the
+        data it needs, so that generation does not compete with it for the machine."""
+        with self._wake:
+            self._paused = True
+
+    def resume(self) -> None:
+        with self._wake:
+            self._paused = False
+            self._wake.notify_all()
+
     def stop(self) -> None:
         with self._wake:
             self._stopping = True
@@ -327,7 +340,7 @@ class Driver:
     def _loop(self) -> None:
         while True:
             with self._wake:
-                self._wake.wait_for(lambda: self._stopping or self.load > 0)
+                self._wake.wait_for(lambda: self._stopping or (self.load > 0 and not self._paused))
                 if self._stopping:
                     return
             try:

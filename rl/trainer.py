@@ -185,6 +185,7 @@ def run(cfg, workdir: str, make_rollout=None) -> dict:
     ready = []  # complete groups, each a list of rollouts, each a list of segments
     step, rollouts, rng_seed = learner.steps, 0, cfg.seed * 1_000_003
     group = rl.get("group_size", 1)  # GRPO-style baselines sample G rollouts per prompt
+    yields = rl.get("generation_yields", True)
     if rl.batch_size % group:
         raise ValueError(f"rl.batch_size={rl.batch_size} must be a multiple of rl.group_size={group}")
     rows = rl.batch_size * (compaction.max_segments if compaction else 1)  # one learner shape
@@ -220,6 +221,7 @@ def run(cfg, workdir: str, make_rollout=None) -> dict:
                     ready.append(kept)
                 del groups[rid // group]
         if sum(map(len, ready)) < rl.batch_size:
+            driver.resume()
             time.sleep(0.002)
             continue
         ready.sort(key=lambda g: g[0][0].rollout_id)  # admission order, not finishing order: replayable
@@ -228,6 +230,10 @@ def run(cfg, workdir: str, make_rollout=None) -> dict:
             n, take = n + len(ready[take]), take + 1
         batch = [tr for g in ready[:take] for rollout in g for tr in rollout]
         ready = ready[take:]
+        if yields and sum(map(len, ready)) >= rl.batch_size:
+            driver.pause()  # the next batch is complete too: generation waits while this one trains
+        else:
+            driver.resume()
         t0 = time.time()
         group_ids = None
         if group > 1:  # padding rows are groups of their own

@@ -236,3 +236,15 @@ def test_requests_hold_the_lowest_slots_and_steps_run_only_those_rows(model):
     assert {rows for rows, _ in steps} == {8, 12}
     for h, p, n in zip(handles, ps, budgets):
         assert h.result(timeout=0).tokens == greedy_reference(model, p, 19)[:n]
+
+
+def test_a_paused_driver_holds_its_requests_until_resumed(model, engine):
+    driver = Driver(engine).start()
+    try:
+        driver.pause()
+        handle = driver.submit(Request(prompts([5], seed=31)[0], max_new_tokens=3))
+        assert not handle._done.wait(0.5) and driver.load == 1
+        driver.resume()
+        assert handle.result(timeout=60).finish_reason == "length"
+    finally:
+        driver.stop()
