@@ -12,8 +12,13 @@
    arm: rollouts trained per second from the median interval between learner steps after
    the first two, the learner's busy share of that time, and the share of a synchronous
    step spent generating; the arms run --repeats times in alternation (sync, async, sync,
-   ...) and each figure is the median over repeats: `async_vs_sync_throughput` and, in
-   async mode, `learner_busy_fraction`.
+   ...) and each figure is the median over repeats. Asynchrony hides generation behind
+   the learner, so its gain is at most `bound` = 1 / (1 - the synchronous generation
+   share). Measured at two learner batch sizes (--batches); the first gives the headline
+   `async_vs_sync_throughput` and, in async mode, `learner_busy_fraction`. On a CPU the
+   tiny model's learner step (about ten forward passes' worth of work over the padded
+   context) outweighs generating the batch, so the bound is low; with fewer rollouts per
+   step generation weighs more, and so does their competition for the same two cores.
 2. SAO against GRPO at eta = 4 on the main job's task (configs/sao_tiny.py): SAO with one
    rollout per prompt and the value model, GRPO with 8 per prompt and the same rollouts
    per step. Reward and entropy curves per step, the held-out pass rates, and whether the
@@ -58,9 +63,9 @@ def _fresh(workdir: pathlib.Path, base: pathlib.Path) -> pathlib.Path:
     return workdir
 
 
-def throughput_arm(workdir, base, eta, args) -> dict:
+def throughput_arm(workdir, base, eta, batch, args) -> dict:
     cfg = load_config(CONFIG, [
-        f"--config.rl.eta={eta}", f"--config.rl.steps={args.throughput_steps}", f"--config.rl.batch_size={args.batch}",
+        f"--config.rl.eta={eta}", f"--config.rl.steps={args.throughput_steps}", f"--config.rl.batch_size={batch}",
         f"--config.rl.slots={args.slots}", "--config.rl.critic_warmup=0", f"--config.task.max_len={args.max_len}",
         "--config.task.eval_tasks=8"])
     rng = np.random.default_rng(args.seed)
@@ -79,7 +84,7 @@ def throughput_arm(workdir, base, eta, args) -> dict:
     step_s = statistics.median(b["time"] - a["time"] for a, b in zip(rows, rows[1:]))
     learner_s = statistics.median(r["learner_s"] for r in rows[1:])
     drawn = np.asarray(list(lengths.values()))
-    return {"eta": eta, "rollouts_per_s": args.batch / step_s, "steps_measured": len(rows) - 1,
+    return {"eta": eta, "batch": batch, "rollouts_per_s": batch / step_s, "steps_measured": len(rows) - 1,
             "seconds_per_step": step_s, "learner_seconds_per_step": learner_s,
             "learner_busy_fraction": min(1.0, learner_s / step_s), "generation_share": max(0.0, 1 - learner_s / step_s),
             "mean_len": float(drawn.mean()), "p50_len": float(np.median(drawn)), "max_len": int(drawn.max())}
@@ -108,7 +113,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--workdir", default="/tmp/glmjax-rl-bench")
-    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batches", default="16,8", help="learner batch sizes of the throughput arms")
     ap.add_argument("--slots", type=int, default=64)
     ap.add_argument("--median-len", type=float, default=24)
     ap.add_argument("--sigma", type=float, default=1.0)
@@ -127,19 +132,30 @@ def main(argv=None):
         trainer.build_base(cfg, str(base))
     t0, load0 = time.time(), os.getloadavg()[0]
     results = {"config": "configs/sao_tiny.py", "load_average_start": load0}
-    runs = {"sync": [], "async": []}
-    for _ in range(args.repeats):  # alternating, so that a noisy minute does not hit one arm only
-        runs["sync"].append(throughput_arm(root / "sync", base, 0, args))
-        runs["async"].append(throughput_arm(root / "async", base, 2, args))
-    med = lambda arm, key: statistics.median(r[key] for r in runs[arm])  # noqa: E731
-    results.update({"sync": runs["sync"], "async": runs["async"],
-                    "async_vs_sync_throughput": med("async", "rollouts_per_s") / med("sync", "rollouts_per_s"),
-                    "learner_busy_fraction": med("async", "learner_busy_fraction"),
-                    "sync_generation_share": med("sync", "generation_share"),
-                    "async_vs_sync_throughput_per_repeat": [a["rollouts_per_s"] / b["rollouts_per_s"]
-                                                            for a, b in zip(runs["async"], runs["sync"])]})
-    print(f"async / sync throughput {results['async_vs_sync_throughput']:.2f}x, "
-          f"learner busy {results['learner_busy_fraction']:.2f}", flush=True)
+    batches = [int(b) for b in args.batches.split(",")]
+    results["throughput"] = {}
+    for batch in batches:
+        runs = {"sync": [], "async": []}
+        for _ in range(args.repeats):  # alternating, so that a noisy minute does not hit one arm only
+            runs["sync"].append(throughput_arm(root / "sync", base, 0, batch, args))
+            runs["async"].append(throughput_arm(root / "async", base, 2, batch, args))
+        med = lambda arm, key: statistics.median(r[key] for r in runs[arm])  # noqa: E731
+        share = med("sync", "generation_share")
+        results["throughput"][f"batch{batch}"] = {
+            "async_vs_sync_throughput": med("async", "rollouts_per_s") / med("sync", "rollouts_per_s"),
+            "bound": 1 / max(1 - share, 1e-9), "sync_generation_share": share,
+            "learner_busy_fraction": med("async", "learner_busy_fraction"),
+            "sync_rollouts_per_s": med("sync", "rollouts_per_s"), "async_rollouts_per_s": med("async", "rollouts_per_s"),
+            "async_vs_sync_per_repeat": [a["rollouts_per_s"] / b["rollouts_per_s"]
+                                         for a, b in zip(runs["async"], runs["sync"])],
+            "runs": runs}
+        t = results["throughput"][f"batch{batch}"]
+        print(f"batch {batch}: async / sync throughput {t['async_vs_sync_throughput']:.2f}x (bound {t['bound']:.2f}x), "
+              f"learner busy {t['learner_busy_fraction']:.2f}", flush=True)
+    headline = results["throughput"][f"batch{batches[0]}"]
+    results.update(async_vs_sync_throughput=headline["async_vs_sync_throughput"],
+                   learner_busy_fraction=headline["learner_busy_fraction"],
+                   sync_generation_share=headline["sync_generation_share"], headline_batch=batches[0])
     results["sao_vs_grpo_eta4"] = {a: stability_arm(root / a, base, a, args) for a in ("sao", "grpo")}
     for a, r in results["sao_vs_grpo_eta4"].items():
         print(f"{a}: reward best {r['best_mean10']:.3f} last {r['last_tenth_mean']:.3f} collapsed {r['collapsed']} "
