@@ -41,7 +41,9 @@ def get_config(arg=None):
         eps_low=0.2, eps_high=4.0, alpha=1.5, gamma=1.0, actor_lr=1e-4, critic_lr=1e-3, critic_steps=2,
         critic_warmup=10, freeze_critic_attention=False, grad_clip=1.0,
         # generation pauses while a complete next batch waits: the engine and the learner share the machine
-        generation_yields=True))
+        generation_yields=True,
+        # compile every prefill and decode shape before the loop (off: each compiles when first used)
+        warmup_compile=True))
     # Trajectories longer than the window: summarise and continue (rl/compaction.py);
     # configs/compaction_tiny.py turns it on for answers that outgrow the context.
     config.rl.compaction = ml_collections.ConfigDict(dict(enabled=False, summary_tokens=6, max_segments=4))

@@ -154,7 +154,8 @@ def run(cfg, workdir: str, make_rollout=None) -> dict:
     driver = Driver(engine)
     compaction = _compaction(cfg)
     warmup_start = time.time()  # every prefill shape now, so that no rollout waits for a compile mid-run
-    engine.warmup(buckets=_prefill_buckets(engine, train_tasks + heldout, compaction))
+    if rl.get("warmup_compile", True):
+        engine.warmup(buckets=_prefill_buckets(engine, train_tasks + heldout, compaction))
     warmup_seconds = time.time() - warmup_start
     stream = TaskStream(train_tasks, seed=cfg.task.seed)
     admission = ro.Admission(rl.batch_size, rl.eta, rl.slots)

@@ -10,7 +10,8 @@ import sys
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SMALL = ["--config.base.steps=10", "--config.base.demonstrations=200", "--config.task.eval_tasks=8",
          "--config.task.train_tasks=200", "--config.rl.steps=4", "--config.rl.batch_size=8", "--config.rl.slots=8",
-         "--config.rl.eta=0", "--config.rl.critic_warmup=1", "--config.checkpoint_every=2"]
+         "--config.rl.eta=0", "--config.rl.critic_warmup=1", "--config.checkpoint_every=2",
+         "--config.rl.warmup_compile=False"]
 DETERMINISTIC = ("reward", "policy_loss", "value_loss", "clip_fraction", "kl_rollout", "entropy", "tasks", "version")
 
 
