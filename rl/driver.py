@@ -198,7 +198,7 @@ class Driver:
         busy = [i for i, s in enumerate(self._slots) if s is not None]
         if not busy:
             return bool(self._queue)
-        rows = self.engine.rows_for(busy[-1] + 1)  # requests hold the lowest slots (_release)
+        rows = self.engine.rows_for(busy[-1] + 1)  # requests hold the lowest slots (_compact)
         self.state, result = self.engine.generate_rows(self.params, self.state, rows)
         result = result.convert_to_numpy()
         self.stats["steps"] += 1
@@ -300,13 +300,12 @@ class Driver:
     def _compact(self) -> None:
         """Moves the highest-numbered requests into the free slots below them, so that the n
         requests in flight hold slots [0, n) and a step runs rows_for(n) rows."""
-        while True:
-            free = next((i for i, s in enumerate(self._slots) if s is None), None)
-            last = max((i for i, s in enumerate(self._slots) if s is not None), default=-1)
-            if free is None or last < free:
-                return
-            self.state = self.engine.free(self.engine.move(self.state, last, free), last)
-            self._slots[free], self._slots[last] = self._slots[last], None
+        n = sum(s is not None for s in self._slots)
+        holes = [i for i in range(n) if self._slots[i] is None]
+        above = [i for i in range(n, len(self._slots)) if self._slots[i] is not None]
+        for dst, src in zip(holes, above):  # as many requests above n as holes below it
+            self.state = self.engine.move(self.state, src, dst)
+            self._slots[dst], self._slots[src] = self._slots[src], None
 
     # Background thread -----------------------------------------------------------------
     def start(self) -> "Driver":
@@ -326,8 +325,9 @@ class Driver:
 
     def resume(self) -> None:
         with self._wake:
-            self._paused = False
-            self._wake.notify_all()
+            if self._paused:
+                self._paused = False
+                self._wake.notify_all()
 
     def stop(self) -> None:
         with self._wake:

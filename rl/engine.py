@@ -204,8 +204,7 @@ class GlmEngine(_Engine):
         self._prefill_fn = jax.jit(self._prefill_impl)
         self.decode_rows = default_buckets(self._slots, smallest=min(8, self._slots))
         self._generate_fn = jax.jit(self._generate_rows, donate_argnums=(1,), static_argnums=(3,))
-        self._move_fn = jax.jit(lambda state, src, dst: jax.tree.map(
-            lambda x: x.at[dst].set(x[src]), state), donate_argnums=(0,))
+        self._move_fn = jax.jit(self._move_impl, donate_argnums=(0,))
         self._insert_fn = jax.jit(self._insert_impl, donate_argnums=(1,))
         self._free_fn = jax.jit(lambda state, slot: state._replace(active=state.active.at[slot].set(False)),
                                 donate_argnums=(0,))
@@ -379,7 +378,7 @@ class GlmEngine(_Engine):
                 state = self.insert_batch(prefix, state, list(range(min(n, self._slots))))
         for rows in self.decode_rows:
             state, result = self.generate_rows(None, state, rows)
-        state = self.move(self.free(state, 0), 1 % self._slots, 0)
+        state = self.free(self.move(state, 1 % self._slots, 0), 0)
         jax.block_until_ready((self.extract(state, 0), result))
 
     # Slots -----------------------------------------------------------------------------
@@ -432,8 +431,13 @@ class GlmEngine(_Engine):
 
     def move(self, decode_state: DecodeState, src: int, dst: int) -> DecodeState:
         """Slot `src`'s contents (cache row, pending token, settings, key) into slot `dst`,
-        whose old contents are dropped; `src` keeps a copy until it is freed or refilled."""
+        whose old contents are dropped; `src` is free afterwards."""
         return self._move_fn(decode_state, jnp.int32(src), jnp.int32(dst))
+
+    @staticmethod
+    def _move_impl(state: DecodeState, src, dst):
+        moved = jax.tree.map(lambda x: x.at[dst].set(x[src]), state)
+        return moved._replace(active=moved.active.at[src].set(moved.active[src] & (src == dst)))
 
     def rows_for(self, slots_in_use: int) -> int:
         """The decode row count that covers slots [0, slots_in_use)."""

@@ -98,11 +98,6 @@ def _actor_grads(policy, batch, advantages, weights, cfg_items):
     return grads, dict(aux, grad_norm=optax.tree.norm(grads), finite=finite)
 
 
-@nnx.jit
-def _apply(model, optimizer, grads):
-    optimizer.update(model, grads)
-
-
 @functools.partial(nnx.jit, static_argnames=("cfg_items",))
 def _actor_step(policy, optimizer, batch, advantages, weights, cfg_items):
     """Step 4 in one call: the objective's gradients, applied only when the loss and every
@@ -243,6 +238,6 @@ def pretrain_value(critic: ValueModel, batches, steps: int, lr: float = 1e-4) ->
     for _, batch in zip(range(steps), batches):
         returns = sao.place_rewards(batch.rewards, batch.action_mask, batch.rollout_id, batch.segment_index)
         returns = jnp.flip(jnp.cumsum(jnp.flip(returns, 1), 1), 1)
-        weights = sao.rollout_token_weights(batch.action_mask, batch.rollout_id)
+        weights = _token_weights(batch.action_mask, batch.rollout_id)
         losses.append(float(_critic_update(critic, opt, batch, returns, weights, clipped=False)["value_loss"]))
     return losses
