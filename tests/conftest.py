@@ -1,9 +1,11 @@
-"""Test-wide JAX setup: 8 fake CPU devices, a persistent compile cache, exact fp32 matmuls.
+"""Test-wide JAX setup: 8 fake CPU devices, a persistent compile cache, exact fp32 matmuls,
+and compiled executables released after every test module.
 
 The environment must be set before anything imports jax, which is why this lives in
 conftest.py (imported by pytest before any test module).
 """
 
+import gc
 import os
 import pathlib
 
@@ -13,6 +15,7 @@ if "xla_force_host_platform_device_count" not in _xla_flags:
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402  (after the environment above)
+import pytest  # noqa: E402
 
 _REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -23,3 +26,14 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 jax.config.update("jax_enable_x64", False)
 # Parity tests compare fp32 against torch at 1e-5; CPU matmuls must not drop to bf16 passes.
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_executables():
+    """Each XLA:CPU executable holds a few memory mappings for as long as jit's caches keep
+    it; a worker that runs hundreds of tests would pass the kernel's limit of 65,530
+    (vm.max_map_count), and LLVM then crashes mid-compile. Later modules reload what they
+    share from the persistent cache."""
+    yield
+    jax.clear_caches()
+    gc.collect()
