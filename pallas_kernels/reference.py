@@ -14,11 +14,17 @@ filled part of its cache). The walk has a static length and skips blocks with
 `lax.cond`, so reverse mode goes through it; query blocks are rematerialised in the
 backward pass, so training memory stays O(block * S) too.
 
+The ops with loops are jitted: an eager call (a notebook's ``model(ids)``) then compiles
+each loop once per shape, where an unjitted ``lax.fori_loop`` or ``lax.map`` traces and
+compiles its body again at every call. Inside a jitted caller they are inlined.
+
 Legend: B batch, T queries, S keys, H heads, C kv latent, R rope dim, P selected keys,
 G indexer heads, I indexer head dim, E expanded query/key width (nope + rope), V value dim.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +84,7 @@ def _walk_keys(step, carry, pos, num_keys: int, size: int):
     return jax.lax.fori_loop(0, -(-num_keys // size), body, carry)
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "block", "key_block"))
 def mla_attention(q_c, q_r, c_kv, k_r, q_pos, *, scale: float, block: int = QUERY_BLOCK,
                   key_block: int = KEY_BLOCK):
     """Causal absorbed-MLA attention over every visible key.
@@ -121,6 +128,7 @@ def gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
     return jax.vmap(lambda xb, ib: xb[jnp.maximum(ib, 0)])(x, idx)
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "block"))
 def sparse_mla_attention(q_c, q_r, c_kv, k_r, q_pos, topk_idx, *, scale: float,
                          block: int = SPARSE_QUERY_BLOCK):
     """Absorbed-MLA attention restricted to the selected keys (DSA).
@@ -140,6 +148,7 @@ def sparse_mla_attention(q_c, q_r, c_kv, k_r, q_pos, topk_idx, *, scale: float,
     return map_query_blocks(attend, block, q_c, q_r, q_pos, topk_idx)
 
 
+@functools.partial(jax.jit, static_argnames=("block", "key_block"))
 def indexer_scores(q, w, k, q_pos, *, block: int = QUERY_BLOCK, key_block: int = KEY_BLOCK):
     """Lightning-indexer scores (DeepSeek-V3.2, DSA):
 
@@ -176,6 +185,7 @@ def select_topk(scores: jax.Array, topk: int) -> jax.Array:
     return jnp.where(jnp.isfinite(values), idx, -1).astype(jnp.int32)
 
 
+@functools.partial(jax.jit, static_argnames=("topk", "block"))
 def indexer_topk(q, w, k, q_pos, *, topk: int, block: int = QUERY_BLOCK):
     """`select_topk(indexer_scores(...))` fused per query block: O(block * S) memory."""
 
@@ -201,6 +211,7 @@ def selected_keys(topk_idx: jax.Array, num_keys: int) -> jax.Array:
     return jax.vmap(jax.vmap(mark))(topk_idx)
 
 
+@functools.partial(jax.jit, static_argnames=("scale", "block"))
 def mla_attention_expanded(q, k, v, q_pos, topk_idx=None, *, scale: float, block: int = QUERY_BLOCK):
     """MLA in its expanded (training) form: per-head keys and values.
 

@@ -76,6 +76,7 @@ def _swiglu_tiles(layout: TiledLayout, x_tiles, gate, up, down):
     return y
 
 
+@jax.jit  # an eager call compiles the tile scan once per shape, not at every call
 def swiglu_experts(x, experts, weights, gate, up, down):
     """sum_x weights[n, x] * down_e(silu(x_n gate_e) * (x_n up_e)) with e = experts[n, x].
 
