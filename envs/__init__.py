@@ -3,6 +3,7 @@
     base.py       Task, TextTask (+ TextEnv), the action format, Step, Transcript
     sandbox.py    Sandbox: isolated commands (own uid, rlimits, PID/network/mount namespaces)
     isolation.py  what the sandboxed child does before exec; probe() of what the kernel allows
+    launcher.py   the helper processes that fork sandboxed commands (never the caller)
     harbor.py     HarborTask; Harbor / Terminal-Bench directories: load, run locally, export
     shell.py      ShellEnv: multi-turn episodes of a HarborTask in a Sandbox
     validate.py   the three checks (oracle / no-op / unfinished), JSON reports

@@ -45,6 +45,10 @@ What is enforced, and how (``probe()`` says which of these this machine allows):
   locale, ``PYTHONDONTWRITEBYTECODE=1``, ``PYTHONHASHSEED=0``, ``APP_DIR``, ``LOGS_DIR``,
   ``TEST_DIR`` and what the caller passes.
 
+Commands are forked by small helper processes (``envs/launcher.py``), never by the caller:
+a fork's cost grows with the forking process's memory, and a multithreaded process (a
+trainer running JAX) must not run a ``preexec_fn`` in a forked child.
+
 Not enforced: total memory of all processes together (``RLIMIT_AS`` is per process) and
 total disk use inside the sandbox directory (``RLIMIT_FSIZE`` caps each file). Without
 root there is no dedicated uid, so the process limit counts all of the user's processes.
@@ -57,19 +61,36 @@ import hashlib
 import os
 import re
 import resource
-import selectors
 import shutil
 import signal
 import stat
 import subprocess
 import tempfile
-import time
+import threading
 from typing import Mapping
 
-from envs.isolation import READ_ONLY_DIRS, VIRTUAL_DIRS, Isolation, Plan, claim_uid, kill_uid, probe
+from envs import launcher
+from envs.isolation import READ_ONLY_DIRS, VIRTUAL_DIRS, Isolation, Plan, claim_uid
 
 __all__ = ["Isolation", "Limits", "RunResult", "Sandbox", "SandboxError", "VIRTUAL_DIRS", "probe"]
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_PROBED: Isolation | None = None
+_PROBE_LOCK = threading.Lock()
+
+
+def probe() -> Isolation:
+    """The strongest isolation this machine allows, as the helpers that fork the commands
+    find it (``envs/launcher.py``; tried once per process, cached)."""
+    global _PROBED
+    with _PROBE_LOCK:
+        if _PROBED is None:
+            _PROBED = launcher.call("probe")
+        return _PROBED
+
+
+def kill_uid(uid: int) -> None:
+    """SIGKILL every process of ``uid`` (from a helper process)."""
+    launcher.call("kill_uid", uid=uid)
 
 
 class SandboxError(RuntimeError):
@@ -273,85 +294,14 @@ class Sandbox:
             rlimits.append((resource.RLIMIT_NPROC, limits.processes))
         plan = Plan(root=self.root, uid=self.uid, network_ns=self.isolation.network == "netns", chroot=chroot,
                     pid_ns=self.isolation.processes == "pidns", rlimits=rlimits, cwd=cwd if chroot else self.host_path(cwd))
-        start = time.monotonic()
         try:
-            proc = subprocess.Popen(["/bin/bash", "-c", command], stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=self.env(env),
-                                    preexec_fn=plan, start_new_session=True, close_fds=True)
-        except subprocess.SubprocessError as err:
+            returncode, output, killed, truncated, seconds = launcher.call(
+                "run", argv=["/bin/bash", "-c", command], env=self.env(env), plan=plan,
+                stdin=stdin.encode() if stdin else None, wall_seconds=limits.wall_seconds,
+                output_bytes=limits.output_bytes, uid=self.uid, pid_ns=self.isolation.processes == "pidns")
+        except (subprocess.SubprocessError, launcher.HelperDied) as err:
             raise SandboxError(f"could not start a sandboxed command ({self.isolation.describe()}): {err}") from err
-        if stdin:
-            try:
-                proc.stdin.write(stdin.encode())
-                proc.stdin.close()
-            except BrokenPipeError:
-                pass
-        output, killed, truncated = self._collect(proc, start + limits.wall_seconds, limits.output_bytes)
-        return RunResult(proc.returncode, output, time.monotonic() - start, killed, truncated)
-
-    def _collect(self, proc: subprocess.Popen, deadline: float, cap: int) -> tuple[str, str | None, bool]:
-        # With a PID namespace nothing outlives the command's exit (the kernel ends the
-        # namespace with its init), so only kills need the sweep.
-        chunks, size, killed, hard_stop = [], 0, None, None
-        swept = self.isolation.processes == "pidns" and self.uid is not None
-        fd = proc.stdout.fileno()
-        os.set_blocking(fd, False)
-        with selectors.DefaultSelector() as sel:
-            sel.register(fd, selectors.EVENT_READ)
-            while True:
-                now = time.monotonic()
-                if killed is None and now >= deadline:
-                    killed, hard_stop = "timeout", now + 5.0
-                    self._kill(proc)
-                if hard_stop is not None and now >= hard_stop:  # the sweep did not end it: end everything
-                    self._kill_group(proc)
-                    break
-                exited = proc.poll() is not None
-                if sel.select(timeout=0.0 if exited else min(0.05, max(deadline - now, 0.01))):
-                    try:
-                        data = os.read(fd, 1 << 16)
-                    except BlockingIOError:
-                        data = None
-                    if data == b"":
-                        break
-                    if data:
-                        chunks.append(data[: max(cap - size, 0)])
-                        size += len(data)
-                        if size > cap and killed is None:
-                            killed, hard_stop = "output_limit", now + 5.0
-                            self._kill(proc)
-                        continue
-                if exited:
-                    if not swept and killed is None:
-                        self._kill(proc)  # background processes may still hold the pipe
-                        swept = True
-                    if not sel.select(timeout=0.2):
-                        break
-        proc.stdout.close()
-        try:
-            proc.wait(timeout=5.0)
-        except subprocess.TimeoutExpired:
-            self._kill_group(proc)
-            proc.wait()
-        if not swept and killed is None:
-            self._kill(proc)
-        return b"".join(chunks).decode("utf-8", errors="replace"), killed, size > cap
-
-    def _kill(self, proc: subprocess.Popen) -> None:
-        """Kill what the command started. With a PID namespace, killing the sandbox uid's
-        processes ends the namespace and the waiting parent exits by itself; killing that
-        parent first would orphan the namespace's init to the host's init as a zombie."""
-        if self.uid is not None:
-            kill_uid(self.uid)
-        if self.uid is None or self.isolation.processes != "pidns":
-            self._kill_group(proc)
-
-    @staticmethod
-    def _kill_group(proc: subprocess.Popen) -> None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        return RunResult(returncode, output.decode("utf-8", errors="replace"), seconds, killed, truncated)
 
     # ----- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:

@@ -213,3 +213,42 @@ def test_bad_arguments_are_named():
     box.close()
     with pytest.raises(SandboxError, match="closed"):
         box.run("true")
+
+
+def test_commands_are_forked_by_helpers_never_by_the_caller(monkeypatch):
+    """The caller may be a trainer with JAX's threads and gigabytes resident: it never
+    forks (os.fork, or subprocess with a preexec_fn); four threads run at once, each in
+    its own helper; a helper killed mid-command costs that command only."""
+    from envs import launcher
+
+    def no_fork(*args, **kwargs):
+        raise AssertionError("the caller forked")
+
+    launcher.close()
+    monkeypatch.setattr(os, "fork", no_fork)
+    real_popen = launcher.subprocess.Popen
+    monkeypatch.setattr(launcher.subprocess, "Popen", lambda *a, **k: no_fork() if k.get("preexec_fn") else
+                        real_popen(*a, **k))
+    outputs = {}
+
+    def run(i):
+        with Sandbox() as box:
+            outputs[i] = box.run(f"sleep 0.5; echo {i * i}").output
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    start = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert outputs == {i: f"{i * i}\n" for i in range(4)}
+    assert time.monotonic() - start < 4 * 0.5  # side by side: one after another takes longer
+    assert len(launcher._POOL.idle) == 4
+
+    with Sandbox() as box:
+        helper = launcher._POOL.idle[-1]  # the next run takes the last idle helper
+        threading.Timer(0.3, helper.proc.kill).start()
+        with pytest.raises(SandboxError, match="helper process exited"):
+            box.run("sleep 5")
+        assert helper not in launcher._POOL.idle
+        assert box.run("echo ok").output == "ok\n"
