@@ -14,9 +14,10 @@ filled part of its cache). The walk has a static length and skips blocks with
 `lax.cond`, so reverse mode goes through it; query blocks are rematerialised in the
 backward pass, so training memory stays O(block * S) too.
 
-The ops with loops are jitted: an eager call (a notebook's ``model(ids)``) then compiles
-each loop once per shape, where an unjitted ``lax.fori_loop`` or ``lax.map`` traces and
-compiles its body again at every call. Inside a jitted caller they are inlined.
+The ops with loops are wrapped in ``jit_when_eager``: an eager call (a notebook's
+``model(ids)``) runs them compiled, once per shape, where an unjitted ``lax.fori_loop`` or
+``lax.map`` traces and compiles its body again at every call; inside a traced caller they
+are plain functions, optimised together with the rest of the caller's program.
 
 Legend: B batch, T queries, S keys, H heads, C kv latent, R rope dim, P selected keys,
 G indexer heads, I indexer head dim, E expanded query/key width (nope + rope), V value dim.
@@ -34,6 +35,21 @@ _NEG = -1e30  # finite "minus infinity" of the online softmax: _NEG - _NEG is 0,
 QUERY_BLOCK = 256
 KEY_BLOCK = 1024  # keys per step of the walk (decode included: measured best on CPU)
 SPARSE_QUERY_BLOCK = 16  # the gathered rows of a block, [16, P, C + R], stay in cache
+
+
+def jit_when_eager(fn=None, *, static_argnames: tuple[str, ...] = ()):
+    """fn itself when any argument is a tracer (it is then inlined into the caller's
+    program), ``jax.jit(fn)`` when every argument is concrete."""
+    if fn is None:
+        return functools.partial(jit_when_eager, static_argnames=static_argnames)
+    jitted = jax.jit(fn, static_argnames=static_argnames)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        traced = any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((args, kwargs)))
+        return (fn if traced else jitted)(*args, **kwargs)
+
+    return call
 
 
 def map_query_blocks(fn, block: int, *args):
@@ -84,7 +100,7 @@ def _walk_keys(step, carry, pos, num_keys: int, size: int):
     return jax.lax.fori_loop(0, -(-num_keys // size), body, carry)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block", "key_block"))
+@jit_when_eager(static_argnames=("scale", "block", "key_block"))
 def mla_attention(q_c, q_r, c_kv, k_r, q_pos, *, scale: float, block: int = QUERY_BLOCK,
                   key_block: int = KEY_BLOCK):
     """Causal absorbed-MLA attention over every visible key.
@@ -128,7 +144,7 @@ def gather_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
     return jax.vmap(lambda xb, ib: xb[jnp.maximum(ib, 0)])(x, idx)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block"))
+@jit_when_eager(static_argnames=("scale", "block"))
 def sparse_mla_attention(q_c, q_r, c_kv, k_r, q_pos, topk_idx, *, scale: float,
                          block: int = SPARSE_QUERY_BLOCK):
     """Absorbed-MLA attention restricted to the selected keys (DSA).
@@ -148,7 +164,7 @@ def sparse_mla_attention(q_c, q_r, c_kv, k_r, q_pos, topk_idx, *, scale: float,
     return map_query_blocks(attend, block, q_c, q_r, q_pos, topk_idx)
 
 
-@functools.partial(jax.jit, static_argnames=("block", "key_block"))
+@jit_when_eager(static_argnames=("block", "key_block"))
 def indexer_scores(q, w, k, q_pos, *, block: int = QUERY_BLOCK, key_block: int = KEY_BLOCK):
     """Lightning-indexer scores (DeepSeek-V3.2, DSA):
 
@@ -185,7 +201,7 @@ def select_topk(scores: jax.Array, topk: int) -> jax.Array:
     return jnp.where(jnp.isfinite(values), idx, -1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnames=("topk", "block"))
+@jit_when_eager(static_argnames=("topk", "block"))
 def indexer_topk(q, w, k, q_pos, *, topk: int, block: int = QUERY_BLOCK):
     """`select_topk(indexer_scores(...))` fused per query block: O(block * S) memory."""
 
@@ -211,7 +227,7 @@ def selected_keys(topk_idx: jax.Array, num_keys: int) -> jax.Array:
     return jax.vmap(jax.vmap(mark))(topk_idx)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block"))
+@jit_when_eager(static_argnames=("scale", "block"))
 def mla_attention_expanded(q, k, v, q_pos, topk_idx=None, *, scale: float, block: int = QUERY_BLOCK):
     """MLA in its expanded (training) form: per-head keys and values.
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.reference import jit_when_eager
+
 
 def tile_size(rows: int, groups: int) -> int:
     """Rows per tile: about the mean group size, a power of two in [1, 128]."""
@@ -76,7 +78,7 @@ def _swiglu_tiles(layout: TiledLayout, x_tiles, gate, up, down):
     return y
 
 
-@jax.jit  # an eager call compiles the tile scan once per shape, not at every call
+@jit_when_eager  # an eager call compiles the tile scan once per shape, not at every call
 def swiglu_experts(x, experts, weights, gate, up, down):
     """sum_x weights[n, x] * down_e(silu(x_n gate_e) * (x_n up_e)) with e = experts[n, x].
 
