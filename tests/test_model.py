@@ -144,3 +144,27 @@ def test_bfloat16_compute_runs_and_tracks_float32(model):
     a, b = np.asarray(model(ids).logits), np.asarray(bf16(ids).logits)
     assert b.dtype == np.float32 and np.isfinite(b).all()
     assert np.corrcoef(a.ravel(), b.ravel())[0, 1] > 0.99
+
+
+def test_a_repeated_eager_forward_compiles_nothing(model):
+    """The attention ops and the expert scan carry loops: called eagerly they run jitted
+    (`jit_when_eager`), so a second eager forward at the same shapes compiles nothing."""
+    from jax import monitoring
+
+    compiles = []
+
+    def listen(event, seconds, **kw):
+        if event.endswith("backend_compile_duration"):
+            compiles.append(event)
+
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        ids = _ids(9)
+        first = np.asarray(model(ids).logits)
+        n = len(compiles)
+        assert n > 0  # the listener sees compiles
+        second = np.asarray(model(ids).logits)
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
+    assert len(compiles) == n, compiles[n:]
+    np.testing.assert_array_equal(first, second)
