@@ -160,11 +160,13 @@ def test_a_repeated_eager_forward_compiles_nothing(model):
     monitoring.register_event_duration_secs_listener(listen)
     try:
         ids = _ids(9)
-        first = np.asarray(model(ids).logits)
+        first = np.asarray(model(ids).logits)  # compiles, or finds it all cached by earlier tests
         n = len(compiles)
-        assert n > 0  # the listener sees compiles
         second = np.asarray(model(ids).logits)
+        m = len(compiles)
+        jax.jit(lambda x: x * 3.0 + 1.0)(jnp.arange(9.0)).block_until_ready()  # too quick to be cached on disk
     finally:
         monitoring.unregister_event_duration_listener(listen)
-    assert len(compiles) == n, compiles[n:]
+    assert len(compiles) > m  # the listener sees compiles
+    assert m == n, compiles[n:m]
     np.testing.assert_array_equal(first, second)
