@@ -34,7 +34,7 @@ _HEADER = struct.Struct("<I")
 
 
 # ----- what a helper does ---------------------------------------------------------------------
-def _run(*, argv, env, plan, stdin, wall_seconds, output_bytes, uid, pid_ns):
+def _run(*, argv, env, plan: isolation.Plan, stdin, wall_seconds, output_bytes):
     """Start argv under plan, read its output until exit, the deadline or the output cap.
     Returns (returncode, output bytes, killed, truncated, seconds); raises OSError or
     subprocess.SubprocessError when the command cannot be started."""
@@ -48,7 +48,7 @@ def _run(*, argv, env, plan, stdin, wall_seconds, output_bytes, uid, pid_ns):
             proc.stdin.close()
         except BrokenPipeError:
             pass
-    output, killed, truncated = _collect(proc, start + wall_seconds, output_bytes, uid, pid_ns)
+    output, killed, truncated = _collect(proc, start + wall_seconds, output_bytes, plan.uid, plan.pid_ns)
     return proc.returncode, output, killed, truncated, time.monotonic() - start
 
 

@@ -298,7 +298,7 @@ class Sandbox:
             returncode, output, killed, truncated, seconds = launcher.call(
                 "run", argv=["/bin/bash", "-c", command], env=self.env(env), plan=plan,
                 stdin=stdin.encode() if stdin else None, wall_seconds=limits.wall_seconds,
-                output_bytes=limits.output_bytes, uid=self.uid, pid_ns=self.isolation.processes == "pidns")
+                output_bytes=limits.output_bytes)
         except (subprocess.SubprocessError, launcher.HelperDied) as err:
             raise SandboxError(f"could not start a sandboxed command ({self.isolation.describe()}): {err}") from err
         return RunResult(returncode, output.decode("utf-8", errors="replace"), seconds, killed, truncated)
