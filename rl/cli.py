@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 
 import jax
 
@@ -33,7 +34,14 @@ def use_compile_cache(path: str = CACHE) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
-def main(argv=None):
+def main(argv=None) -> int:
+    """The `glmjax-train` command: runs the job and exits 0 (its figures are in the workdir's summary.json)."""
+    run(argv)
+    return 0
+
+
+def run(argv=None) -> dict:
+    """The job the arguments name; returns its summary."""
     parser = argparse.ArgumentParser(prog="glmjax-train", description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--config", required=True, help="a config file, optionally `path:arg` for get_config(arg)")
     parser.add_argument("--workdir", required=True)
@@ -58,4 +66,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

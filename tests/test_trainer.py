@@ -15,8 +15,8 @@ SMALL = ["--config.base.steps=10", "--config.base.demonstrations=200", "--config
 DETERMINISTIC = ("reward", "policy_loss", "value_loss", "clip_fraction", "kl_rollout", "entropy", "tasks", "version")
 
 
-def _cmd(workdir, *extra):
-    return [sys.executable, "-m", "rl.cli", "--config", str(REPO / "configs" / "sao_tiny.py"), "--workdir",
+def _cmd(workdir, *extra):  # as the glmjax-train console script calls it: sys.exit(main())
+    return [sys.executable, "-c", "import sys; from rl.cli import main; sys.exit(main())", "--config", str(REPO / "configs" / "sao_tiny.py"), "--workdir",
             str(workdir), *SMALL, *extra]
 
 
