@@ -30,14 +30,17 @@ setup(
         "numpy>=2.0",
         "tqdm",
         "matplotlib",
+        # the sandbox's python3 runs Harbor tasks' verifiers (`uvx pytest --ctrf ...`), as their images do
+        "pytest",
+        "pytest-json-ctrf",
     ],
     extras_require={
         # torch is pinned to the release whose CPU wheel the test machines carry; any other
         # version pulls the CUDA build (gigabytes) just to run the Hugging Face reference.
         # nbclient, nbformat and ipykernel execute notebooks/ablations.ipynb (tests/test_notebook.py).
-        "test": ["pytest", "pytest-xdist", "torch==2.13.0", "transformers>=5.24,<6", "grpcio", "protobuf",
+        "test": ["pytest-xdist", "torch==2.13.0", "transformers>=5.24,<6", "grpcio", "protobuf", "prometheus-client",
                  "nbclient", "nbformat", "ipykernel"],
-        "serve": ["grpcio", "protobuf"],
+        "serve": ["grpcio", "protobuf", "prometheus-client"],
         "gpu": [f"jax[cuda12]=={JAX_VERSION}"],
         "tpu": [f"jax[tpu]=={JAX_VERSION}"],
     },
