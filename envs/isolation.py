@@ -1,11 +1,12 @@
 """What a sandboxed command's child process does before ``exec``, and what this machine allows.
 
-``Plan`` (the ``preexec_fn``), in order: ``unshare`` a network namespace (and bring its
-own loopback up) and, under chroot, a mount namespace; build the chroot (``_enter_root``:
-a read-only tmpfs root, read-only nosuid binds of the system directories, a minimal
-``/dev``, ``/proc`` with ``hidepid``, the sandbox's own directories at ``/app /logs /tmp``
-and read-only ``/tests /solution``); ``PR_SET_NO_NEW_PRIVS``; the rlimits; drop to the
-sandbox's uid. Everything the child needs is computed in the parent: the child of a
+``Plan`` (the ``preexec_fn``), in order: join the sandbox's memory cgroup; ``unshare`` a
+network namespace (and bring its own loopback up) and, under chroot, a mount namespace;
+build the chroot (``_enter_root``: a read-only tmpfs root, read-only nosuid binds of the
+system directories, a minimal ``/dev``, ``/proc`` with ``hidepid``, the sandbox's own
+directories at ``/app /logs /tmp``, read-only ``/tests /solution`` and the read-only
+``binds``: the tool directory at ``/glmjax``, the host interpreter's prefix);
+``PR_SET_NO_NEW_PRIVS``; the rlimits; drop to the sandbox's uid. Everything the child needs is computed in the parent: the child of a
 threaded process should only make system calls.
 
 ``probe()`` tries each namespace; ``claim_uid()`` hands out a uid no
@@ -46,16 +47,21 @@ _libc = ctypes.CDLL(None, use_errno=True)
 class Isolation:
     """Which isolation a sandbox has: network "netns" | "host"; filesystem "chroot" |
     "plain"; user "dedicated-uid" | "same-user"; processes "pidns" (each command is PID 1
-    of its own PID namespace) | "kill-sweep" (process group and uid killed after it)."""
+    of its own PID namespace) | "kill-sweep" (process group and uid killed after it);
+    memory "cgroup-v1" | "cgroup-v2" (all of a sandbox's processes together are capped)
+    | "per-process" (only each process's address space is: N processes may hold N times
+    the limit)."""
 
     network: str
     filesystem: str
     user: str
     processes: str
     notes: tuple[str, ...] = ()
+    memory: str = "per-process"
 
     def describe(self) -> str:
-        text = f"network={self.network} filesystem={self.filesystem} user={self.user} processes={self.processes}"
+        text = (f"network={self.network} filesystem={self.filesystem} user={self.user} processes={self.processes} "
+                f"memory={self.memory}")
         return text + "".join(f"; {note}" for note in self.notes)
 
 
@@ -91,15 +97,22 @@ class Plan:
     threaded process should only make system calls)."""
 
     def __init__(self, *, root: str, uid: int | None, network_ns: bool, chroot: bool, pid_ns: bool,
-                 rlimits: list[tuple[int, int]], cwd: str):
+                 rlimits: list[tuple[int, int]], cwd: str, binds: tuple[tuple[str, str], ...] = (),
+                 cgroup_procs: str | None = None):
+        """``binds``: (host directory, path inside the chroot) pairs mounted read-only;
+        ``cgroup_procs``: the ``cgroup.procs`` file of the group the command joins."""
         self.root, self.uid, self.network_ns, self.chroot, self.cwd = root, uid, network_ns, chroot, cwd
-        self.pid_ns, self.rlimits = pid_ns, rlimits
+        self.pid_ns, self.rlimits, self.binds, self.cgroup_procs = pid_ns, rlimits, binds, cgroup_procs
         self.system = [(f"/{d}", os.path.islink(f"/{d}") and os.readlink(f"/{d}")) for d in _SYSTEM_DIRS
                        if os.path.lexists(f"/{d}")]
         self.devices = [d for d in _DEVICES if os.path.exists(f"/dev/{d}")]
         self.proc_options = "hidepid=2" if _kernel_at_least(5, 8) else None
 
     def __call__(self) -> None:
+        if self.cgroup_procs:  # first, so that everything the command starts is in the group
+            fd = os.open(self.cgroup_procs, os.O_WRONLY)
+            os.write(fd, str(os.getpid()).encode())
+            os.close(fd)
         flags = ((_CLONE_NEWNET if self.network_ns else 0) | (_CLONE_NEWNS if self.chroot else 0)
                  | (_CLONE_NEWPID if self.pid_ns else 0))
         if flags:
@@ -135,6 +148,9 @@ class Plan:
         for virtual in VIRTUAL_DIRS:
             os.makedirs(new + virtual)
             _bind(os.path.join(self.root, virtual[1:]), new + virtual, read_only=virtual in READ_ONLY_DIRS)
+        for host, inside in self.binds:
+            os.makedirs(new + inside, exist_ok=True)
+            _bind(host, new + inside, read_only=True)
         os.mkdir(new + "/dev")
         _mount("tmpfs", new + "/dev", "tmpfs", _MS_NOSUID, "size=64k,mode=755")
         for device in self.devices:

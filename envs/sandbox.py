@@ -61,31 +61,65 @@ import hashlib
 import os
 import re
 import resource
-import shutil
 import signal
 import stat
 import subprocess
+import sys
 import tempfile
 import threading
 from typing import Mapping
 
-from envs import launcher
+from envs import cgroup, host_tools, launcher, tree
 from envs.isolation import READ_ONLY_DIRS, VIRTUAL_DIRS, Isolation, Plan, claim_uid
 
 __all__ = ["Isolation", "Limits", "RunResult", "Sandbox", "SandboxError", "VIRTUAL_DIRS", "probe"]
-_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+TOOLS = "/glmjax"  # where the tool directory (envs/host_tools.py) is mounted under chroot
+_SYSTEM_TOPS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt", "/var")
 _PROBED: Isolation | None = None
-_PROBE_LOCK = threading.Lock()
+_TOOL_DIR: str | None = None
+_LOCK = threading.Lock()
 
 
 def probe() -> Isolation:
     """The strongest isolation this machine allows, as the helpers that fork the commands
-    find it (``envs/launcher.py``; tried once per process, cached)."""
+    find it (``envs/launcher.py``), with the memory cgroup this process can make (tried
+    once per process, cached)."""
     global _PROBED
-    with _PROBE_LOCK:
+    with _LOCK:
         if _PROBED is None:
-            _PROBED = launcher.call("probe")
+            found = launcher.call("probe")
+            memory = cgroup.available() if found.user == "dedicated-uid" else None
+            _PROBED = dataclasses.replace(found, memory=f"cgroup-{memory[0]}" if memory else "per-process")
         return _PROBED
+
+
+def tool_dir() -> str:
+    """The host directory a sandbox mounts at ``TOOLS`` (``envs/host_tools.py`` builds
+    it), made once per machine for this interpreter and this version of the tools."""
+    global _TOOL_DIR
+    with _LOCK:
+        if _TOOL_DIR is None:
+            with open(host_tools.__file__, "rb") as f:
+                key = hashlib.sha256(f.read() + sys.executable.encode()).hexdigest()[:16]
+            final = os.path.join(tempfile.gettempdir(), f"glmjax-tools-{key}")
+            if not os.path.isdir(final):
+                staging = tempfile.mkdtemp(prefix=f"glmjax-tools-{key}.")
+                host_tools.build(staging)
+                os.chmod(staging, 0o755)
+                try:
+                    os.rename(staging, final)
+                except OSError:  # another process made it first
+                    tree.rmtree(staging)
+            _TOOL_DIR = final
+        return _TOOL_DIR
+
+
+def _interpreter_binds() -> tuple[tuple[str, str], ...]:
+    """The host interpreter's prefixes, mounted at their own paths so that the tools'
+    ``python3`` runs inside the chroot (those under a system directory are there already)."""
+    dirs = dict.fromkeys(os.path.realpath(p) for p in (sys.base_prefix, sys.prefix))
+    return tuple((d, d) for d in dirs
+                 if not d.startswith(_SYSTEM_TOPS) and not d.startswith(tuple(v + "/" for v in VIRTUAL_DIRS)))
 
 
 def kill_uid(uid: int) -> None:
@@ -99,7 +133,9 @@ class SandboxError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
-    """Per-command limits. ``memory_bytes`` is address space per process."""
+    """Per-command limits. ``memory_bytes`` caps the memory of all the sandbox's processes
+    together where a cgroup is available (``Isolation.memory``) and each process's address
+    space everywhere; without a cgroup, ``processes`` x ``memory_bytes`` is the bound."""
 
     wall_seconds: float = 30.0
     cpu_seconds: int = 30
@@ -120,7 +156,8 @@ class Limits:
 
 @dataclasses.dataclass(frozen=True)
 class RunResult:
-    """One command. ``killed``: None | "timeout" | "output_limit"; ``signal``: the signal
+    """One command. ``killed``: None | "timeout" | "output_limit" | "memory_limit" (the
+    sandbox's cgroup passed its limit and the kernel killed a process); ``signal``: the signal
     that ended the command (SIGXCPU/SIGKILL for CPU, SIGXFSZ for file size) or None."""
 
     returncode: int
@@ -168,17 +205,27 @@ class Sandbox:
         self.filesystem = avail.filesystem if filesystem == "auto" else filesystem
         self.limits, self.keep = limits, keep
         self.isolation = Isolation("netns" if network == "none" else "host", self.filesystem, avail.user,
-                                   avail.processes)
+                                   avail.processes, memory=avail.memory)
+        self._closed, self.memory, self.root = True, None, None
         self.uid, self._lock_fd = claim_uid() if avail.user == "dedicated-uid" else (None, None)
-        if self.uid is not None:
-            kill_uid(self.uid)  # leftovers of a crashed earlier holder
-        self.root = tempfile.mkdtemp(prefix="glmjax-sbx-", dir=base_dir or os.environ.get("GLMJAX_SANDBOX_DIR"))
-        os.chmod(self.root, 0o711)
-        os.mkdir(os.path.join(self.root, ".root"))
-        for virtual in VIRTUAL_DIRS:
-            self.reset_dir(virtual)
-        self.reset_dir("/logs/verifier")
-        self.reset_dir("/logs/agent")
+        try:
+            if self.uid is not None:
+                kill_uid(self.uid)  # leftovers of a crashed earlier holder
+            if avail.memory != "per-process":
+                self.memory = cgroup.MemoryGroup(*cgroup.available(), limits.memory_bytes)
+            self.root = tempfile.mkdtemp(prefix="glmjax-sbx-", dir=base_dir or os.environ.get("GLMJAX_SANDBOX_DIR"))
+            os.chmod(self.root, 0o711)
+            os.mkdir(os.path.join(self.root, ".root"))
+            for virtual in VIRTUAL_DIRS:
+                self.reset_dir(virtual)
+            self.reset_dir("/logs/verifier")
+            self.reset_dir("/logs/agent")
+        except BaseException:
+            self._closed = False
+            self.close()
+            raise
+        self.tools = TOOLS if self.filesystem == "chroot" else tool_dir()
+        self._binds = ((tool_dir(), TOOLS),) + _interpreter_binds() if self.filesystem == "chroot" else ()
         self._closed = False
 
     # ----- paths -----------------------------------------------------------------------
@@ -216,11 +263,7 @@ class Sandbox:
         Directories the sandbox writes are its uid's, mode 0700; the read-only ones are
         root's with the sandbox's group, mode 0750: other sandboxes cannot look in either."""
         host = self.host_path(virtual)
-        if os.path.lexists(host):
-            if os.path.isdir(host) and not os.path.islink(host):
-                shutil.rmtree(host)
-            else:
-                os.unlink(host)
+        tree.rmtree(host)
         os.makedirs(host, mode=0o755)
         if self.uid is None:
             return
@@ -257,24 +300,21 @@ class Sandbox:
             return f.read(limit) if stat.S_ISREG(os.fstat(fd).st_mode) else None
 
     def snapshot(self, virtual: str = "/app") -> str:
-        """A hash of the tree under ``virtual``: paths, types, permission bits, contents."""
-        digest, top = hashlib.sha256(), self.host_path(virtual)
-        for dirpath, dirnames, filenames in os.walk(top):
-            dirnames.sort()
-            for name in sorted(dirnames + filenames):
-                full = os.path.join(dirpath, name)
-                st = os.lstat(full)
-                digest.update(f"{os.path.relpath(full, top)}\0{stat.S_IFMT(st.st_mode)}\0{st.st_mode & 0o777}\0".encode())
-                if stat.S_ISLNK(st.st_mode):
-                    digest.update(os.readlink(full).encode())
-                elif stat.S_ISREG(st.st_mode):
-                    with open(full, "rb") as f:
-                        digest.update(hashlib.sha256(f.read()).digest())
+        """A hash of the tree under ``virtual``: paths, types, permission bits, contents
+        (any depth: ``envs/tree.py``)."""
+        digest = hashlib.sha256()
+        for entry in tree.walk(self._safe(virtual)):
+            st = entry.stat
+            digest.update(f"{entry.path}\0{stat.S_IFMT(st.st_mode)}\0{st.st_mode & 0o777}\0".encode())
+            if stat.S_ISLNK(st.st_mode):
+                digest.update(os.readlink(entry.name, dir_fd=entry.dir_fd).encode())
+            elif stat.S_ISREG(st.st_mode):
+                digest.update(hashlib.sha256(entry.read()).digest())
         return digest.hexdigest()
 
     # ----- commands -------------------------------------------------------------------------
     def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        env = {"PATH": _PATH, "HOME": self.path("/tmp"), "TMPDIR": self.path("/tmp"), "LANG": "C.UTF-8",
+        env = {"PATH": f"{self.tools}/bin:{host_tools.SYSTEM_PATH}", "HOME": self.path("/tmp"), "TMPDIR": self.path("/tmp"), "LANG": "C.UTF-8",
                "LC_ALL": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0",
                "APP_DIR": self.path("/app"), "LOGS_DIR": self.path("/logs"), "TEST_DIR": self.path("/tests")}
         env.update(extra or {})
@@ -293,7 +333,12 @@ class Sandbox:
         if self.uid is not None:  # root ignores RLIMIT_NPROC; the sandbox uid does not
             rlimits.append((resource.RLIMIT_NPROC, limits.processes))
         plan = Plan(root=self.root, uid=self.uid, network_ns=self.isolation.network == "netns", chroot=chroot,
-                    pid_ns=self.isolation.processes == "pidns", rlimits=rlimits, cwd=cwd if chroot else self.host_path(cwd))
+                    pid_ns=self.isolation.processes == "pidns", rlimits=rlimits, cwd=cwd if chroot else self.host_path(cwd),
+                    binds=self._binds, cgroup_procs=self.memory.procs if self.memory else None)
+        oom_kills = 0
+        if self.memory is not None:
+            self.memory.set_limit(limits.memory_bytes)
+            oom_kills = self.memory.oom_kills()
         try:
             returncode, output, killed, truncated, seconds = launcher.call(
                 "run", argv=["/bin/bash", "-c", command], env=self.env(env), plan=plan,
@@ -301,19 +346,28 @@ class Sandbox:
                 output_bytes=limits.output_bytes)
         except (subprocess.SubprocessError, launcher.HelperDied) as err:
             raise SandboxError(f"could not start a sandboxed command ({self.isolation.describe()}): {err}") from err
+        if killed is None and self.memory is not None and self.memory.oom_kills() > oom_kills:
+            killed = "memory_limit"
         return RunResult(returncode, output.decode("utf-8", errors="replace"), seconds, killed, truncated)
 
     # ----- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:
+        """Kill what is left, remove the memory group and the directory (any depth), and
+        release the uid, which happens even when a step before it fails."""
         if self._closed:
             return
         self._closed = True
-        if self.uid is not None:
-            kill_uid(self.uid)
-        if not self.keep:
-            shutil.rmtree(self.root, ignore_errors=True)
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
+        try:
+            if self.uid is not None:
+                kill_uid(self.uid)
+            if self.memory is not None:
+                self.memory.close()
+            if not self.keep and self.root is not None:
+                tree.rmtree(self.root)
+        finally:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None
 
     def __enter__(self) -> "Sandbox":
         return self

@@ -1,0 +1,319 @@
+"""What the host offers a sandbox in place of a task image's packages, and the stand-in
+package managers that run inside the sandbox.
+
+A Harbor task's Dockerfile and test script install what they need (``apt-get install jq``,
+``pip install pytest==8.4.1``, the uv installer, ``uvx -w pytest==8.4.1 pytest ...``).
+Without Docker and without a network, an install is *resolved* instead: it is satisfied
+when the host already has what it asks for, and fails, naming what is missing, when not.
+
+- ``apt_package(name)``: installed per dpkg, or a command of that name on the sandbox's
+  PATH, or (``python3-X``) the Python distribution/module X, or a known alias
+  (``build-essential`` -> gcc, g++, make);
+- ``python_package(requirement)``: the distribution is installed for the sandbox's python
+  (the interpreter running glmjax); a different pinned version is accepted and noted;
+- the stand-ins, run as ``apt-get`` (``apt``, ``apk``, ``yum``, ``dnf``), ``pip``, ``pip3``,
+  ``uv`` and ``uvx`` inside the sandbox (``main``): installs are checked as above and otherwise do nothing; ``uvx TOOL``
+  and ``uv run CMD`` run the host's tool (``pytest`` is ``python3 -m pytest``).
+
+``build(root)`` writes the tool directory a sandbox mounts at ``/glmjax``: ``bin/`` (the
+stand-ins, ``python``/``python3`` for the host interpreter, ``pytest``), ``lib/`` (this
+file) and ``guard/`` (empty ``sitecustomize``/``usercustomize`` modules that every
+``python`` started through ``bin/`` finds first on its path, so that a planted one in a
+directory of ``PYTHONPATH`` is never imported).
+
+This file is copied into the sandbox and run there by the host interpreter: it imports
+only the standard library.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+STAND_INS = ("apt-get", "apt", "apk", "yum", "dnf", "pip", "pip3", "uv", "uvx")
+_ALIASES = {  # apt package -> the commands (or "/path" files, "py:module" modules) that stand for it
+    "build-essential": ("gcc", "g++", "make"), "python3-pip": ("pip3",), "python-is-python3": ("python",),
+    "python3-venv": ("py:venv",), "python3-dev": ("py:sysconfig",), "ca-certificates": ("/etc/ssl/certs",),
+    "procps": ("ps",), "iproute2": ("ip",), "net-tools": ("netstat",), "openssh-client": ("ssh",),
+    "dnsutils": ("dig",), "iputils-ping": ("ping",), "coreutils": ("ls",), "findutils": ("find",),
+    "gnupg": ("gpg",), "xz-utils": ("xz",), "bzip2": ("bzip2",), "locales": ("locale",),
+    "software-properties-common": (), "apt-transport-https": (), "apt-utils": (),
+}
+_REQUIREMENT = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(\[[^]]*\])?\s*(.*)$")
+
+
+# ----- resolution --------------------------------------------------------------------------------
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def python_package(requirement: str) -> tuple[str | None, str]:
+    """(missing name or None, a note) for one requirement (``pytest==8.4.1``, ``numpy>=2``)."""
+    found = _REQUIREMENT.match(requirement)
+    if not found:
+        return requirement, f"{requirement!r} is not a requirement glmjax can resolve"
+    name, spec = found.group(1), found.group(3).strip()
+    if _normal(name) in ("uv", "pip", "setuptools", "wheel"):
+        return None, f"{name}: provided by the sandbox"
+    try:
+        version = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return name, f"python package {name} is not installed for the sandbox's python ({sys.executable})"
+    pinned = re.fullmatch(r"==\s*([^,;\s]+)", spec)
+    if pinned and pinned.group(1) != version:
+        return None, f"{name}: {version} present ({pinned.group(1)} asked)"
+    return None, f"{name} {version} present"
+
+
+def command(name: str, path: str | None = None) -> str | None:
+    """Where ``name`` is on ``path`` (default: this process's PATH, the sandbox's inside it)."""
+    return shutil.which(name, path=path or os.environ.get("PATH", SYSTEM_PATH))
+
+
+def _dpkg_installed(name: str) -> str | None:
+    if not shutil.which("dpkg-query"):
+        return None
+    result = subprocess.run(["dpkg-query", "-W", "-f=${db:Status-Status} ${Version}", name],
+                            capture_output=True, text=True)
+    status, _, version = result.stdout.partition(" ")
+    return version if result.returncode == 0 and status == "installed" else None
+
+
+def apt_package(name: str, path: str | None = None) -> tuple[str | None, str]:
+    """(missing name or None, a note) for one system package (``jq``, ``python3-numpy=1:1.24``)."""
+    name = name.split("=")[0].split(":")[0]
+    needs = _ALIASES.get(name)
+    if needs is None and name.startswith("python3-") and len(name) > 8:
+        # the sandbox's python3 is the host interpreter, not the system python dpkg serves
+        module = name[8:]
+        if importlib.util.find_spec(module.replace("-", "_")) is not None or python_package(module)[0] is None:
+            return None, f"{name}: python module {module} present"
+        return name, f"{name}: python module {module} is not installed for the sandbox's python3 ({sys.executable})"
+    version = _dpkg_installed(name)
+    if version:
+        return None, f"{name} {version} installed on the host"
+    needs = (name,) if needs is None else needs
+    for need in needs:
+        if need.startswith("/"):
+            present = os.path.exists(need)
+        elif need.startswith("py:"):
+            present = importlib.util.find_spec(need[3:]) is not None
+        else:
+            present = command(need, path) is not None
+        if not present:
+            return name, f"{name} is not on this host (no dpkg package, no {need.removeprefix('py:')})"
+    return None, f"{name}: {', '.join(n.removeprefix('py:') for n in needs)} present" if needs else f"{name}: not needed here"
+
+
+# ----- the stand-ins (run inside the sandbox) ------------------------------------------------------
+_PIP_FLAGS_WITH_VALUE = {"-i", "--index-url", "--extra-index-url", "-c", "--constraint", "--root-user-action",
+                         "--progress-bar", "-t", "--target", "--python", "-p", "--prefix", "--cache-dir", "-f",
+                         "--find-links", "--trusted-host", "--python-version", "--platform"}
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def pip_requirements(args: list[str], read=_read_text) -> tuple[list[str], list[str]]:
+    """(requirements, unresolvable sources) of ``pip install ARGS``; ``-r`` files are read
+    with ``read(path) -> text or None``."""
+    reqs, sources, it = [], [], iter(args)
+    for arg in it:
+        if arg in ("-r", "--requirement") or arg.startswith("--requirement=") or (arg.startswith("-r") and len(arg) > 2):
+            path = next(it, "") if arg in ("-r", "--requirement") else arg.split("=", 1)[-1] if "=" in arg else arg[2:]
+            text = read(path)
+            if text is None:
+                sources.append(f"-r {path} (file not found)")
+                continue
+            words = [w for ln in text.splitlines() for w in ln.split("#", 1)[0].split()]
+            more, bad = pip_requirements(words, read)
+            reqs, sources = reqs + more, sources + bad
+        elif arg in _PIP_FLAGS_WITH_VALUE:
+            next(it, None)
+        elif arg in ("-e", "--editable"):
+            sources.append(f"-e {next(it, '')} (an editable install of a local project)")
+        elif arg.startswith("-"):
+            continue
+        elif "://" in arg or arg.startswith((".", "/", "git+")) or arg.endswith((".whl", ".tar.gz", ".zip")):
+            sources.append(f"{arg} (a local path or URL)")
+        else:
+            reqs.append(arg)
+    return reqs, sources
+
+
+def _check(missing_notes: list[tuple[str | None, str]], tool: str) -> int:
+    missing = [n for n, _ in missing_notes if n]
+    for name, note in missing_notes:
+        if name:
+            print(f"{tool}: {note}; the sandbox has no network to install it", file=sys.stderr)
+    return 1 if missing else 0
+
+
+def apt_packages(args: list[str]) -> list[str] | None:
+    """The packages ``apt-get ARGS`` (or apk/yum/dnf) installs; None for other actions
+    (update, upgrade, clean, ...), which have nothing to do against the host."""
+    words, it = [], iter(args)
+    for arg in it:
+        if arg in ("-o", "-t", "-c", "--option", "--target-release", "--config-file"):
+            next(it, None)
+        elif not arg.startswith("-"):
+            words.append(arg)
+    return words[1:] if words[:1] in (["install"], ["add"]) else None
+
+
+def _apt(args: list[str]) -> int:
+    names = apt_packages(args)
+    return 100 if names and _check([apt_package(n) for n in names], "apt-get") else 0
+
+
+def _pip(args: list[str]) -> int:
+    if args[:1] == ["install"]:
+        reqs, sources = pip_requirements(args[1:])
+        for source in sources:
+            print(f"pip: cannot install {source} without a network", file=sys.stderr)
+        return 1 if sources or _check([python_package(r) for r in reqs], "pip") else 0
+    if args[:1] == ["uninstall"]:
+        return 0
+    return subprocess.call([sys.executable, "-m", "pip", *args])
+
+
+def _tool_argv(tool: str, args: list[str]) -> list[str]:
+    name = re.split(r"[=<>@\[]", tool, maxsplit=1)[0]
+    if name in ("pytest", "py.test"):
+        return [sys.executable, "-m", "pytest", *args]
+    if name in ("python", "python3") or re.fullmatch(r"python3\.\d+", name):
+        return [command("python3") or sys.executable, *args]
+    found = command(name)
+    if not found:
+        raise FileNotFoundError(f"{name} is not available in this sandbox (no network to fetch it)")
+    return [found, *args]
+
+
+def uv_options(args: list[str], with_flags=("-w", "--with")) -> tuple[list[str], list[str]]:
+    """(requirements from --with, the remaining args from the first positional on)."""
+    withs, i = [], 0
+    value_flags = {"-p", "--python", "--from", "--index-url", "--extra-index-url", "--cache-dir", "--directory",
+                   "--project", "--env-file", "--with-requirements", "--python-preference"}
+    while i < len(args):
+        arg = args[i]
+        if arg == "--":
+            return withs, args[i + 1:]
+        if arg in with_flags:
+            withs += args[i + 1].split(",") if i + 1 < len(args) else []
+            i += 2
+        elif any(arg.startswith(f + "=") for f in with_flags):
+            withs += arg.split("=", 1)[1].split(",")
+            i += 1
+        elif arg in value_flags:
+            i += 2
+        elif arg.startswith("-"):
+            i += 1
+        else:
+            return withs, args[i:]
+    return withs, []
+
+
+def _exec(argv: list[str]) -> int:
+    try:
+        os.execv(argv[0], argv)
+    except OSError as err:
+        print(f"cannot run {argv[0]}: {err}", file=sys.stderr)
+        return 127
+
+
+def _uvx(args: list[str]) -> int:
+    withs, rest = uv_options(args)
+    if not rest:
+        print("uvx: no tool named", file=sys.stderr)
+        return 2
+    if _check([python_package(w) for w in withs], "uvx"):
+        return 1
+    try:
+        return _exec(_tool_argv(rest[0], rest[1:]))
+    except FileNotFoundError as err:
+        print(f"uvx: {err}", file=sys.stderr)
+        return 2
+
+
+def _uv(args: list[str]) -> int:
+    sub, rest = (args[0], args[1:]) if args else ("", [])
+    if sub == "run":
+        withs, cmd = uv_options(rest)
+        if _check([python_package(w) for w in withs], "uv run"):
+            return 1
+        if not cmd:
+            return 0
+        try:
+            return _exec(_tool_argv(cmd[0], cmd[1:]))
+        except FileNotFoundError as err:
+            print(f"uv run: {err}", file=sys.stderr)
+            return 2
+    if sub == "tool" and rest[:1] == ["run"]:
+        return _uvx(rest[1:])
+    if sub == "add":
+        return _check([python_package(r) for r in rest if not r.startswith("-")], "uv add")
+    if sub == "pip":
+        return _pip(rest)
+    if sub == "venv":
+        target = next((a for a in rest if not a.startswith("-")), ".venv")
+        os.makedirs(os.path.join(target, "bin"), exist_ok=True)
+        with open(os.path.join(target, "bin", "activate"), "w") as f:
+            f.write("# the sandbox's python stands in for this environment\n")
+        return 0
+    if sub in ("init", "sync", "lock", "self", "cache", "python", "--version", "version"):
+        return 0
+    print(f"uv {sub}: not supported in the sandbox", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str]) -> int:
+    name, args = os.path.basename(argv[0]), argv[1:]
+    if name in ("apt-get", "apt", "apk", "yum", "dnf"):
+        return _apt(args)
+    if name in ("pip", "pip3"):
+        return _pip(args)
+    if name == "uvx":
+        return _uvx(args)
+    if name == "uv":
+        return _uv(args)
+    print(f"{name}: not a glmjax stand-in", file=sys.stderr)
+    return 2
+
+
+# ----- the tool directory (host side) ----------------------------------------------------------------
+def build(root: str, interpreter: str = sys.executable) -> None:
+    """Write the tool directory into ``root`` (see the module docstring)."""
+    bin_dir, lib_dir, guard = (os.path.join(root, d) for d in ("bin", "lib", "guard"))
+    for d in (bin_dir, lib_dir, guard):
+        os.makedirs(d, exist_ok=True)
+    shutil.copyfile(os.path.abspath(__file__), os.path.join(lib_dir, "host_tools.py"))
+    for module in ("sitecustomize", "usercustomize"):
+        with open(os.path.join(guard, f"{module}.py"), "w") as f:
+            f.write('"""Found first on the path: a planted module of this name is never imported."""\n')
+    here = 'd=$(dirname "$0")'
+    python = (f'#!/bin/sh\n{here}\nPYTHONNOUSERSITE=1 PYTHONPATH="$d/../guard${{PYTHONPATH:+:$PYTHONPATH}}" '
+              f'exec {interpreter} "$@"\n')
+    scripts = {"python": python, "python3": python, "pytest": f'#!/bin/sh\n{here}\nexec "$d/python3" -m pytest "$@"\n'}
+    scripts["py.test"] = scripts["pytest"]
+    for tool in STAND_INS:
+        scripts[tool] = f'#!/bin/sh\n{here}\nexec {interpreter} -Es "$d/../lib/host_tools.py" "$0" "$@"\n'
+    for name, text in scripts.items():
+        path = os.path.join(bin_dir, name)
+        with open(path, "w") as f:
+            f.write(text)
+        os.chmod(path, 0o755)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
