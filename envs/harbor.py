@@ -7,27 +7,35 @@ Formats read (``load_task``):
     task.toml ([metadata] [agent]       Dockerfile, docker-compose.yaml (one service)
       [verifier] [environment])         solution.sh (or solution.yaml: a list of commands)
     environment/Dockerfile              run-tests.sh, tests/...
-    solution/solve.sh (+ partial-*.sh)
-    tests/test.sh, tests/...
+    solution/ (solve.sh, solve.py, ..., partial-*.sh)
+    tests/ (test.sh, test_outputs.py, ...)
 
 Running without Docker. The sandbox's ``/app`` stands for the container's working
 directory (the Dockerfile's last ``WORKDIR``; occurrences of that path in scripts are
 rewritten to ``/app``), ``/logs/verifier`` is the verifier's log directory, ``/tests`` and
-``/solution`` hold the tests and the reference solution (copied in only when they run:
-tests after the agent has finished, the solution only for oracle runs). Under the chroot
-sandbox these are the real paths the commands see; in the plain fallback they are
+``/solution`` hold the whole ``tests/`` and ``solution/`` folders (copied in only when they
+run: tests after the agent has finished, the solution only for oracle runs). Under the
+chroot sandbox these are the real paths the commands see; in the plain fallback they are
 rewritten to the sandbox's host paths (``Sandbox.rewrite``) and exported as ``$APP_DIR``,
-``$LOGS_DIR``, ``$TEST_DIR``. The Dockerfile is emulated: ``COPY``/``ADD`` of local files
-into the working directory, ``ENV``, ``WORKDIR``; ``RUN`` lines run in the sandbox (no
-network, unprivileged) before the agent starts. A task is *unsupported* (reported, never
-silently passed) when its environment cannot be set up that way: a multi-service compose
-file, a prebuilt image, ``COPY`` outside the working directory or from a build stage,
-``RUN`` or test scripts that install packages or fetch from the network, or a ``RUN`` that
-fails locally.
+``$LOGS_DIR``, ``$TEST_DIR``. The Dockerfile is emulated (``envs/dockerfile.py``); install
+steps in it, in the tests' and in the solution's scripts are resolved against the host
+(``envs/installs.py``): what the host has satisfies them and is noted in ``installs``;
+what it lacks makes the task *unsupported* (reported with the reason, never silently
+passed), as do a multi-service compose file, a prebuilt image, a multi-step task
+(``[[steps]]``) and a ``RUN`` that fails locally. A malformed ``task.toml`` raises
+``HarborFormatError`` naming the file, the field and the type it must have.
+
+The verifier cannot be touched by the agent: before the tests run, ``/tmp`` (also
+``HOME``) and ``/logs/verifier`` are made afresh and the tests are copied in; the tests'
+PATH holds no directory the agent could write; every ``python`` they start through the
+sandbox's tools skips user site-packages and finds an empty ``sitecustomize`` /
+``usercustomize`` before any the agent planted (``envs/host_tools.py``); the reward is
+read only from the directory made for the verifier, and only from a regular file.
 
 Reward: ``/logs/verifier/reward.txt`` (a number) or ``reward.json`` (``{"reward": x}``, or
 the mean of its numeric values); a test script that writes neither is scored by its exit
-status (0 -> 1.0, else 0.0). A verifier that is killed (timeout, output limit) scores 0.
+status (0 -> 1.0, else 0.0). A verifier that is killed (timeout, output or memory limit),
+a reward file that is a symlink, or a replaced verifier directory scores 0.
 Export (``export_task``) writes the Harbor layout; glmjax's own fields go in
 ``[metadata] glmjax`` (JSON) and partial solutions in ``solution/partial-N.sh``.
 """
@@ -35,34 +43,45 @@ Export (``export_task``) writes the Harbor layout; glmjax's own fields go in
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import re
 import shlex
+import stat
 import tomllib
 from typing import Mapping
 
+from envs import dockerfile, installs
 from envs.base import Task
 from envs.sandbox import RunResult, Sandbox
+from envs.tree import read_tree
 
 _DIFFICULTY = {"trivial": 1, "easy": 1, "medium": 3, "hard": 4, "expert": 5}
 _DIFFICULTY_NAME = {1: "easy", 2: "easy", 3: "medium", 4: "hard", 5: "hard"}
-_NEEDS_NETWORK = re.compile(r"\b(apt-get|apt|apk|yum|dnf|conda|npm|yarn|curl|wget)\b|\bpip3?\s+install|"
-                            r"\buvx?\s|\bgit\s+clone")
+_AGENT_WRITABLE = ("/app", "/tmp", "/logs", "/solution")
 
 
 class UnsupportedTask(Exception):
     """The task's environment cannot be set up locally; the message says why."""
 
 
+class HarborFormatError(ValueError):
+    """A task directory's files are malformed; the message names the file and the field."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HarborTask(Task):
     """A sandboxed task. ``files``: the working directory's initial contents (paths
-    relative to it); ``tests``: the tests/ directory; ``setup``: commands run before the
-    agent (the Dockerfile's RUN lines); ``partials``: half-done solutions (each must score 0)."""
+    relative to it); ``solution``: ``solve.sh`` (install steps resolved);
+    ``solution_files``: the rest of ``solution/`` (``solve.py``, data ...), copied in beside
+    it; ``tests``: the tests/ directory; ``setup``: commands run before the agent (the
+    Dockerfile's RUN lines); ``partials``: half-done solutions (each must score 0);
+    ``installs``: how each install step was resolved; ``notes``: what the emulation left out."""
 
     files: Mapping[str, str | bytes] = dataclasses.field(default_factory=dict)
     solution: str | None = None
+    solution_files: Mapping[str, str | bytes] = dataclasses.field(default_factory=dict)
     tests: Mapping[str, str | bytes] = dataclasses.field(default_factory=dict)
     test_command: str = "bash /tests/test.sh"
     partials: tuple[str, ...] = ()
@@ -73,6 +92,8 @@ class HarborTask(Task):
     workdir: str = "/app"
     unsupported: str | None = None
     source: str | None = None
+    installs: tuple[Mapping, ...] = ()
+    notes: tuple[str, ...] = ()
 
     def replace(self, **changes) -> "HarborTask":
         return dataclasses.replace(self, **changes)
@@ -81,7 +102,8 @@ class HarborTask(Task):
 @dataclasses.dataclass(frozen=True)
 class Verdict:
     """A verifier run: the reward, where it came from ("reward.txt" | "reward.json" |
-    "exit status" | "killed" | "unreadable reward"), and the test command's result."""
+    "exit status" | "killed" | "unreadable reward" | "reward file is not a regular file" |
+    "verifier directory replaced"), and the test command's result."""
 
     reward: float
     source: str
@@ -103,6 +125,20 @@ def _map(text: str | bytes, task: HarborTask, sandbox: Sandbox) -> str | bytes:
     return sandbox.rewrite(text)
 
 
+def task_env(sandbox: Sandbox, task: HarborTask, *, verifier: bool = False) -> dict[str, str]:
+    """The task's variables for a command: ``$PATH`` expanded against the sandbox's PATH;
+    for the verifier, PATH without directories the agent could write, and no user site."""
+    path = sandbox.env()["PATH"]
+    env = {k: re.sub(r"\$\{PATH\}|\$PATH\b", path, _map(v, task, sandbox)) for k, v in task.env.items()}
+    if verifier:
+        writable = tuple(sandbox.path(d) for d in _AGENT_WRITABLE)
+        entries = env.get("PATH", path).split(":")
+        env["PATH"] = ":".join(e for e in entries if e and os.path.isabs(e) and not any(
+            e == w or e.startswith(w + "/") for w in writable)) or path
+        env["PYTHONNOUSERSITE"] = "1"
+    return env
+
+
 def prepare(sandbox: Sandbox, task: HarborTask) -> None:
     """Set up the task's environment in a fresh sandbox; ``UnsupportedTask`` if it cannot be."""
     if task.unsupported:
@@ -110,37 +146,48 @@ def prepare(sandbox: Sandbox, task: HarborTask) -> None:
     for rel, data in task.files.items():
         sandbox.write_file(f"/app/{rel}", _map(data, task, sandbox))
     for command in task.setup:
-        result = sandbox.run(_map(command, task, sandbox), env=task.env)
+        result = sandbox.run(_map(command, task, sandbox), env=task_env(sandbox, task))
         if not result.ok:
             raise UnsupportedTask(f"environment setup failed locally: RUN {command!r} {result.summary()} "
                                   f"{result.output[-300:]}")
 
 
 def run_script(sandbox: Sandbox, task: HarborTask, script: str) -> RunResult:
-    """Run ``script`` as the solution would run (``bash /solution/solve.sh`` in ``/app``)."""
+    """Run ``script`` as the solution would run (``bash /solution/solve.sh`` in ``/app``),
+    with the rest of the task's ``solution/`` beside it."""
     sandbox.reset_dir("/solution")
+    for rel, data in task.solution_files.items():
+        sandbox.write_file(f"/solution/{rel}", _map(data, task, sandbox))
     sandbox.write_file("/solution/solve.sh", _map(script, task, sandbox))
     limits = sandbox.limits.replace(wall_seconds=min(sandbox.limits.wall_seconds, task.agent_timeout))
-    return sandbox.run(f"bash {shlex.quote(sandbox.path('/solution/solve.sh'))}", limits=limits, env=task.env)
+    return sandbox.run(f"bash {shlex.quote(sandbox.path('/solution/solve.sh'))}", limits=limits,
+                       env=task_env(sandbox, task))
 
 
 def run_tests(sandbox: Sandbox, task: HarborTask) -> Verdict:
-    """Copy the tests in, run them with a fresh ``/logs/verifier``, read the reward."""
-    sandbox.reset_dir("/tests")
-    sandbox.reset_dir("/logs/verifier")
+    """A fresh ``/tmp`` and ``/logs/verifier``, the tests copied in, the test command run
+    with the verifier's environment, the reward read from the verifier's own directory."""
+    for virtual in ("/tmp", "/tests", "/logs/verifier"):
+        sandbox.reset_dir(virtual)
+    ident = os.stat(sandbox.host_path("/logs/verifier"))
     for rel, data in task.tests.items():
         sandbox.write_file(f"/tests/{rel}", _map(data, task, sandbox))
     limits = sandbox.limits.replace(wall_seconds=task.verifier_timeout)
-    result = sandbox.run(_map(task.test_command, task, sandbox), limits=limits, env=task.env)
+    result = sandbox.run(_map(task.test_command, task, sandbox), limits=limits,
+                         env=task_env(sandbox, task, verifier=True))
     if result.killed:
         return Verdict(0.0, "killed", result)
-    text = sandbox.read_bytes("/logs/verifier/reward.txt", 4096)
+    try:
+        text = _verifier_file(sandbox, (ident.st_dev, ident.st_ino), "reward.txt", 4096)
+        blob = None if text is not None else _verifier_file(sandbox, (ident.st_dev, ident.st_ino), "reward.json",
+                                                            1 << 16)
+    except _Forged as err:
+        return Verdict(0.0, str(err), result)
     if text is not None:
         try:
             return Verdict(float(text.decode().strip()), "reward.txt", result)
         except ValueError:
             return Verdict(0.0, "unreadable reward", result)
-    blob = sandbox.read_bytes("/logs/verifier/reward.json", 1 << 16)
     if blob is not None:
         try:
             data = json.loads(blob)
@@ -152,6 +199,37 @@ def run_tests(sandbox: Sandbox, task: HarborTask) -> Verdict:
         except (ValueError, TypeError, KeyError):
             return Verdict(0.0, "unreadable reward", result)
     return Verdict(1.0 if result.returncode == 0 else 0.0, "exit status", result)
+
+
+class _Forged(Exception):
+    """The reward is not where the verifier writes it: a symlink, or a swapped directory."""
+
+
+def _verifier_file(sandbox: Sandbox, ident: tuple[int, int], name: str, limit: int) -> bytes | None:
+    """``name`` from the verifier directory made for this run (never through a symlink);
+    None when it is missing."""
+    try:
+        dir_fd = os.open(sandbox.host_path("/logs/verifier"), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        raise _Forged("verifier directory replaced") from None
+    try:
+        st = os.fstat(dir_fd)
+        if (st.st_dev, st.st_ino) != ident:
+            raise _Forged("verifier directory replaced")
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return None
+        except OSError as err:
+            if err.errno == errno.ELOOP:
+                raise _Forged("reward file is not a regular file") from None
+            raise
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise _Forged("reward file is not a regular file")
+            return f.read(limit)
+    finally:
+        os.close(dir_fd)
 
 
 # ----- loading --------------------------------------------------------------------------------
@@ -176,73 +254,11 @@ def find_tasks(paths: list[str]) -> list[str]:
     return found
 
 
-def _tree(top: str) -> dict[str, bytes]:
-    files = {}
-    for dirpath, dirnames, filenames in os.walk(top):
-        dirnames.sort()
-        for name in sorted(filenames):
-            full = os.path.join(dirpath, name)
-            if os.path.isfile(full) and not os.path.islink(full):
-                with open(full, "rb") as f:
-                    files[os.path.relpath(full, top)] = f.read()
-    return files
-
-
 def _read(path: str) -> str | None:
     if not os.path.isfile(path):
         return None
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8", errors="replace") as f:
         return f.read()
-
-
-def _dockerfile(path: str) -> dict:
-    """Emulate a Dockerfile: {workdir, files, setup, env, unsupported}."""
-    state = {"workdir": "/app", "files": {}, "setup": [], "env": {}, "unsupported": None}
-    text = _read(path)
-    if text is None:
-        return state
-    context, copies = os.path.dirname(path), []
-    lines = re.sub(r"\\\n", " ", text).splitlines()
-    for line in (raw.strip() for raw in lines):
-        if not line or line.startswith("#"):
-            continue
-        op, _, arg = line.partition(" ")
-        op, arg = op.upper(), arg.strip()
-        if op == "WORKDIR":
-            state["workdir"] = os.path.normpath(os.path.join(state["workdir"], arg))
-        elif op in ("COPY", "ADD"):
-            words = json.loads(arg) if arg.startswith("[") else shlex.split(arg)
-            flags = [w for w in words if w.startswith("--")]
-            words = [w for w in words if not w.startswith("--")]
-            if any(f.startswith("--from") for f in flags) or any("://" in w for w in words):
-                state["unsupported"] = f"{op} from a build stage or URL: {line!r}"
-                continue
-            copies.append((words[:-1], os.path.join(state["workdir"], words[-1]), words[-1].endswith("/")))
-        elif op == "RUN":
-            if _NEEDS_NETWORK.search(arg):
-                state["unsupported"] = f"RUN installs packages or uses the network, which needs a container build: {arg!r}"
-            state["setup"].append(arg)
-        elif op == "ENV":
-            pairs = re.findall(r"(\w+)=(\"[^\"]*\"|\S+)", arg) or [tuple(arg.split(None, 1))]
-            state["env"].update({k: v.strip('"') for k, v in pairs})
-    workdir = state["workdir"]
-    for sources, dest, into_dir in copies:
-        dest = os.path.normpath(dest)
-        if dest != workdir and not dest.startswith(workdir + "/"):
-            state["unsupported"] = f"COPY to {dest} outside the working directory {workdir}"
-            continue
-        rel_dest = os.path.relpath(dest, workdir)
-        for src in sources:
-            full = os.path.normpath(os.path.join(context, src))
-            if os.path.isdir(full):
-                for rel, data in _tree(full).items():
-                    state["files"][os.path.normpath(os.path.join(rel_dest, rel))] = data
-            elif os.path.isfile(full):
-                target = os.path.join(rel_dest, os.path.basename(src)) if into_dir or len(sources) > 1 else rel_dest
-                state["files"][os.path.normpath(target)] = open(full, "rb").read()
-            else:
-                state["unsupported"] = f"COPY source {src!r} not found in {context}"
-    return state
 
 
 def _difficulty(value) -> int:
@@ -253,14 +269,7 @@ def _difficulty(value) -> int:
 
 def _task_id(path: str, meta: Mapping) -> str:
     name = meta.get("id") or os.path.basename(os.path.normpath(path))
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", str(name)).strip("-.") or "task"
-
-
-def _unsupported_tests(tests: Mapping[str, bytes], command_file: str) -> str | None:
-    script = tests.get(command_file, b"")
-    script = script.decode(errors="replace") if isinstance(script, bytes) else script
-    hit = _NEEDS_NETWORK.search(script)
-    return f"{command_file} installs packages or uses the network ({hit.group(0).strip()!r})" if hit else None
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", str(name).split("/")[-1]).strip("-.") or "task"
 
 
 def load_task(path: str) -> HarborTask:
@@ -272,39 +281,125 @@ def load_task(path: str) -> HarborTask:
     raise FileNotFoundError(f"{path!r} has neither task.toml (Harbor) nor task.yaml (Terminal-Bench)")
 
 
+_NUMBER = (int, float)
+_SCHEMA = {  # table -> {field: (types, what it must be)}; tables themselves must be tables
+    "metadata": {"difficulty": ((str, int), "a string or an integer"), "category": ((str,), "a string"),
+                 "glmjax": ((str,), "a JSON string")},
+    "verifier": {"timeout_sec": (_NUMBER, "a number of seconds"), "env": ((dict,), "a table of strings")},
+    "agent": {"timeout_sec": (_NUMBER, "a number of seconds")},
+    "environment": {"docker_image": ((str,), "a string"), "workdir": ((str,), "a path")},
+    "task": {"name": ((str,), "a string")},
+    "solution": {}, "steps": None,
+}
+
+
+def _type_name(value) -> str:
+    return {bool: "boolean", int: "integer", float: "float", str: "string", list: "array", dict: "table"}.get(
+        type(value), type(value).__name__)
+
+
+def _task_toml(path: str) -> dict:
+    """task.toml, its tables and the fields glmjax reads checked for type."""
+    where = os.path.join(path, "task.toml")
+    try:
+        with open(where, "rb") as f:
+            config = tomllib.load(f)
+    except tomllib.TOMLDecodeError as err:
+        raise HarborFormatError(f"{where}: not valid TOML: {err}") from None
+    for table, fields in _SCHEMA.items():
+        if table not in config:
+            continue
+        value = config[table]
+        if table == "steps":
+            if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+                raise HarborFormatError(f"{where}: steps must be an array of tables ([[steps]]), "
+                                        f"got {_type_name(value)} {value!r}")
+            continue
+        if not isinstance(value, dict):
+            raise HarborFormatError(f"{where}: [{table}] must be a table, got {_type_name(value)} {value!r}")
+        for field, (types, what) in fields.items():
+            if field in value and (not isinstance(value[field], types) or isinstance(value[field], bool)):
+                raise HarborFormatError(f"{where}: [{table}] {field} must be {what}, got "
+                                        f"{_type_name(value[field])} {value[field]!r}")
+            if types == _NUMBER and field in value and value[field] <= 0:
+                raise HarborFormatError(f"{where}: [{table}] {field} must be > 0, got {value[field]!r}")
+    env = config.get("verifier", {}).get("env", {})
+    bad = {k: v for k, v in env.items() if not isinstance(v, str)}
+    if bad:
+        raise HarborFormatError(f"{where}: [verifier] env values must be strings, got {bad!r}")
+    return config
+
+
+def _scan_scripts(files: Mapping[str, bytes], where: str, path: str, entry: str | None = None):
+    """``files`` with each shell script's install steps resolved: (files, installs, unsupported)."""
+    out, found, unsupported = dict(files), [], None
+    for rel, data in files.items():
+        if not rel.endswith(".sh") and rel != entry:
+            continue
+        try:
+            result = installs.scan(data.decode(), f"{where}/{rel}", read=lambda p: _read(os.path.join(path, p)))
+        except UnicodeDecodeError:
+            continue
+        except ValueError as err:
+            raise HarborFormatError(f"{os.path.join(path, where, rel)}: {err}") from None
+        out[rel] = result.script.encode()
+        found += result.installs
+        unsupported = unsupported or result.unsupported
+    return out, found, unsupported
+
+
+def _image(path: str, envdir: str) -> dockerfile.Image:
+    try:
+        return dockerfile.emulate(os.path.join(envdir, "Dockerfile"))
+    except dockerfile.DockerfileError as err:
+        raise HarborFormatError(f"{path}: {err}") from None
+
+
 def _load_harbor(path: str) -> HarborTask:
-    with open(os.path.join(path, "task.toml"), "rb") as f:
-        config = tomllib.load(f)
+    config = _task_toml(path)
     meta = dict(config.get("metadata", {}))
-    extra = json.loads(meta.pop("glmjax")) if isinstance(meta.get("glmjax"), str) else {}
+    try:
+        extra = json.loads(meta.pop("glmjax")) if "glmjax" in meta else {}
+    except json.JSONDecodeError as err:
+        raise HarborFormatError(f"{path}/task.toml: [metadata] glmjax is not valid JSON: {err}") from None
+    steps = config.get("steps")
     instruction = _read(os.path.join(path, "instruction.md"))
-    if instruction is None:
+    if instruction is None and not steps:
         raise FileNotFoundError(f"{path}: instruction.md is missing")
     envdir = os.path.join(path, "environment")
-    docker = _dockerfile(os.path.join(envdir, "Dockerfile"))
-    unsupported = docker["unsupported"]
-    if os.path.isfile(os.path.join(envdir, "docker-compose.yaml")):
+    image = _image(path, envdir)
+    unsupported = image.unsupported
+    environment = config.get("environment", {})
+    if steps:
+        names = ", ".join(repr(s.get("name", "?")) for s in steps)
+        unsupported = (f"a multi-step task ({len(steps)} [[steps]]: {names}): each step's instruction, tests and "
+                       "solution run in turn in one environment, which glmjax's episodes and checks do not do")
+    elif os.path.isfile(os.path.join(envdir, "docker-compose.yaml")):
         unsupported = "environment/docker-compose.yaml: multi-container environments need Docker"
-    elif config.get("environment", {}).get("docker_image") and not os.path.isfile(os.path.join(envdir, "Dockerfile")):
-        unsupported = f"prebuilt image {config['environment']['docker_image']!r} needs Docker"
-    tests = _tree(os.path.join(path, "tests"))
-    if "test.sh" not in tests:
+    elif environment.get("docker_image") and not os.path.isfile(os.path.join(envdir, "Dockerfile")):
+        unsupported = f"prebuilt image {environment['docker_image']!r} needs Docker"
+    tests, test_installs, bad = _scan_scripts(read_tree(os.path.join(path, "tests")), "tests", path)
+    unsupported = unsupported or bad
+    if "test.sh" not in tests and not steps:
         raise FileNotFoundError(f"{path}: tests/test.sh is missing")
-    unsupported = unsupported or _unsupported_tests(tests, "test.sh")
-    solution_dir = os.path.join(path, "solution")
-    partials = tuple(_read(os.path.join(solution_dir, n)) for n in sorted(os.listdir(solution_dir))
-                     if re.fullmatch(r"partial-\d+\.sh", n)) if os.path.isdir(solution_dir) else ()
+    solution_files, solution_installs, bad = _scan_scripts(read_tree(os.path.join(path, "solution")), "solution", path)
+    unsupported = unsupported or bad
+    partials = tuple(solution_files.pop(n).decode() for n in sorted(solution_files) if re.fullmatch(r"partial-\d+\.sh", n))
+    solve = solution_files.pop("solve.sh", None)
     verifier = config.get("verifier", {})
     name = extra.get("id") or config.get("task", {}).get("name")
     return HarborTask(
-        id=_task_id(path, {"id": name} if name else {}), instruction=instruction, domain=extra.get("domain", meta.get("category", "terminal")),
+        id=_task_id(path, {"id": name} if name else {}), instruction=instruction or "",
+        domain=extra.get("domain", meta.get("category", "terminal")),
         difficulty=extra.get("difficulty", _difficulty(meta.get("difficulty", "medium"))),
-        metadata={**meta, **extra.get("metadata", {})}, files=docker["files"],
-        solution=_read(os.path.join(solution_dir, "solve.sh")), tests=tests, partials=partials,
-        setup=tuple(docker["setup"]), env={**docker["env"], **verifier.get("env", {})},
+        metadata={**meta, **extra.get("metadata", {})}, files=image.files,
+        solution=solve.decode() if solve is not None else None, solution_files=solution_files, tests=tests,
+        partials=partials, setup=tuple(image.setup), env={**image.env, **verifier.get("env", {})},
         agent_timeout=float(config.get("agent", {}).get("timeout_sec", 120.0)),
-        verifier_timeout=float(verifier.get("timeout_sec", 120.0)), workdir=docker["workdir"],
-        unsupported=unsupported, source=os.path.abspath(path))
+        verifier_timeout=float(verifier.get("timeout_sec", 120.0)),
+        workdir=environment.get("workdir", image.workdir), unsupported=unsupported, source=os.path.abspath(path),
+        installs=tuple(i.to_dict() for i in image.installs + test_installs + solution_installs),
+        notes=tuple(image.notes))
 
 
 def _yaml(text: str) -> dict:
@@ -325,16 +420,25 @@ def _yaml(text: str) -> dict:
             elif key is not None:
                 block.append(line[2:] if line.startswith("  ") else line.strip())
         return out
-    return yaml.safe_load(text) or {}
+    try:
+        return yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        raise HarborFormatError(f"not valid YAML: {err}") from None
 
 
 def _load_terminal_bench(path: str) -> HarborTask:
-    config = _yaml(_read(os.path.join(path, "task.yaml")))
+    where = os.path.join(path, "task.yaml")
+    config = _yaml(_read(where))
+    if not isinstance(config, dict):
+        raise HarborFormatError(f"{where}: must be a mapping, got {_type_name(config)}")
     instruction = config.get("instruction") or (config.get("descriptions") or [{}])[0].get("description")
     if not instruction:
-        raise ValueError(f"{path}/task.yaml has no instruction")
-    docker = _dockerfile(os.path.join(path, "Dockerfile"))
-    unsupported = docker["unsupported"]
+        raise HarborFormatError(f"{where}: has no instruction")
+    for field in ("max_agent_timeout_sec", "max_test_timeout_sec"):
+        if field in config and (not isinstance(config[field], _NUMBER) or isinstance(config[field], bool)):
+            raise HarborFormatError(f"{where}: {field} must be a number of seconds, got {config[field]!r}")
+    image = _image(path, path)
+    unsupported = image.unsupported
     compose = _read(os.path.join(path, "docker-compose.yaml"))
     if compose and len(re.findall(r"^  [\w-]+:\s*$", compose.split("services:", 1)[-1], re.M)) > 1:
         unsupported = "docker-compose.yaml has several services: multi-container environments need Docker"
@@ -343,21 +447,27 @@ def _load_terminal_bench(path: str) -> HarborTask:
         steps = _yaml(_read(os.path.join(path, "solution.yaml")))
         if isinstance(steps, list) and steps:
             solution = "\n".join(s["command"] if isinstance(s, dict) else str(s) for s in steps) + "\n"
-    tests = _tree(os.path.join(path, "tests"))
     runner = _read(os.path.join(path, "run-tests.sh"))
     if runner is None:
         raise FileNotFoundError(f"{path}: run-tests.sh is missing")
-    tests["run-tests.sh"] = runner.encode()
-    unsupported = unsupported or _unsupported_tests(tests, "run-tests.sh")
+    tests = {**read_tree(os.path.join(path, "tests")), "run-tests.sh": runner.encode()}
+    tests, test_installs, bad = _scan_scripts(tests, "tests", path)
+    unsupported = unsupported or bad
+    solution_installs = []
+    if solution is not None:
+        scanned, solution_installs, bad = _scan_scripts({"solution.sh": solution.encode()}, ".", path)
+        solution, unsupported = scanned["solution.sh"].decode(), unsupported or bad
     return HarborTask(
         id=_task_id(path, {}), instruction=instruction, domain=str(config.get("category", "terminal")),
         difficulty=_difficulty(config.get("difficulty", "medium")),
         metadata={k: config[k] for k in ("category", "tags", "author_email") if k in config},
-        files=docker["files"], solution=solution, tests=tests, test_command="bash /tests/run-tests.sh",
-        setup=tuple(docker["setup"]), env=docker["env"],
+        files=image.files, solution=solution, tests=tests, test_command="bash /tests/run-tests.sh",
+        setup=tuple(image.setup), env=image.env,
         agent_timeout=float(config.get("max_agent_timeout_sec", 180.0)),
-        verifier_timeout=float(config.get("max_test_timeout_sec", 60.0)), workdir=docker["workdir"],
-        unsupported=unsupported, source=os.path.abspath(path))
+        verifier_timeout=float(config.get("max_test_timeout_sec", 60.0)), workdir=image.workdir,
+        unsupported=unsupported, source=os.path.abspath(path),
+        installs=tuple(i.to_dict() for i in image.installs + test_installs + solution_installs),
+        notes=tuple(image.notes))
 
 
 def load_tasks(paths: list[str]) -> list[HarborTask]:
@@ -409,6 +519,8 @@ def export_task(task: HarborTask, out_dir: str) -> str:
         _write(os.path.join(root, "environment", "app", rel), data)
     if task.solution is not None:
         _write(os.path.join(root, "solution", "solve.sh"), task.solution)
+    for rel, data in task.solution_files.items():
+        _write(os.path.join(root, "solution", rel), data)
     for i, partial in enumerate(task.partials):
         _write(os.path.join(root, "solution", f"partial-{i}.sh"), partial)
     for rel, data in task.tests.items():

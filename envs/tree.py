@@ -129,3 +129,10 @@ def _open_up(path: str) -> None:
 def files(top: str) -> Iterator[Entry]:
     """The regular files below ``top``."""
     return (e for e in walk(top) if stat.S_ISREG(e.stat.st_mode))
+
+
+def read_tree(top: str) -> dict[str, bytes]:
+    """Every regular file below ``top`` by relative path (``{}`` when ``top`` is not a directory)."""
+    if not os.path.isdir(top):
+        return {}
+    return {e.path: e.read() for e in files(top)}

@@ -2,22 +2,29 @@
 
 1. Oracle: the reference solution must earn the full reward (1.0).
 2. No-op: a run that does nothing must earn 0.
-3. Unfinished: runs stopped partway must earn 0: the oracle cut after several of its
-   statements (``cut_points``: syntactically complete prefixes of ``solve.sh``, spread
-   through it, the latest possible cut always included) plus every partial solution the
-   task provides. A cut whose working directory ends up identical to the oracle's
-   (only no-op statements were left) is not unfinished and is skipped, reported as such;
-   a cut that leaves only clean-up to do is still unfinished, so oracles should end on
-   the statement that completes the work. With no probe left the check fails: an
-   unchecked verifier is a rejected one.
+3. Unfinished: runs stopped partway must earn 0. Three kinds of probe:
+   - cuts of the oracle script after several of its statements (``cut_points``:
+     syntactically complete prefixes of ``solve.sh``, spread through it, the latest
+     possible cut always included);
+   - states derived from the oracle's effect on the working directory
+     (``envs/changes.py``): every change but the last write, the last write cut short,
+     and halfway; these make one-command oracles checkable;
+   - every partial solution the task provides.
+   A probe whose working directory ends up identical to the oracle's (only no-op
+   statements were left) or to the untouched one (the no-op check's) is not unfinished
+   and is skipped, reported as such. With no probe left the check fails: an unchecked
+   verifier is a rejected one.
 
 For a ``TextTask`` the same checks run on text: the oracle answer; the empty completion
 (with and without the terminator); every strict prefix of the answer (with and without
 the terminator) and the family's partial answers.
 
 Every sandboxed run uses a fresh ``Sandbox``. ``TaskReport.to_dict()`` is the JSON
-report; ``status`` is "pass", "fail", "unsupported" (the environment cannot be set up
-locally: ``envs/harbor.py``) or "error" (the check itself could not run).
+report, with the sandbox's isolation and how the task's install steps were resolved;
+``status`` is "pass", "fail", "unsupported" (the environment cannot be set up locally:
+``envs/harbor.py``) or "error" (the task could not be loaded, or the check itself could
+not run; the reason says which). One task's error is that task's report, never the end
+of a ``validate_all`` run.
 """
 
 from __future__ import annotations
@@ -28,9 +35,10 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from envs import changes
 from envs.base import TextTask, is_full, is_zero
 from envs.harbor import HarborTask, UnsupportedTask, prepare, run_script, run_tests
-from envs.sandbox import Limits, Sandbox, SandboxError
+from envs.sandbox import Limits, Sandbox, SandboxError, probe
 
 _HEREDOC = re.compile(r"<<-?\s*(['\"]?)([A-Za-z_][A-Za-z0-9_]*)\1")
 _TRIVIAL = re.compile(r"^\s*(#.*|set\s+-[euxo\w\s]+|cd\s+\S+|)\s*$")
@@ -52,6 +60,7 @@ class TaskReport:
     seconds: float
     source: str | None = None
     reason: str | None = None
+    environment: dict = dataclasses.field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -59,7 +68,8 @@ class TaskReport:
 
     def to_dict(self) -> dict:
         return {"task": self.task_id, "status": self.status, "source": self.source, "reason": self.reason,
-                "seconds": round(self.seconds, 3), "checks": {c.name: dataclasses.asdict(c) for c in self.checks}}
+                "seconds": round(self.seconds, 3), "checks": {c.name: dataclasses.asdict(c) for c in self.checks},
+                "environment": self.environment}
 
 
 def cut_points(script: str, n: int = 3) -> list[str]:
@@ -112,49 +122,78 @@ def _validate_text(task: TextTask, t0: float) -> TaskReport:
     return TaskReport(task.id, "pass" if all(c.passed for c in checks) else "fail", checks, time.monotonic() - t0)
 
 
-def _episode(task: HarborTask, script: str | None, limits: Limits, sandbox_args: dict):
-    """(verdict, solution result or None, snapshot of /app before the tests)."""
+@dataclasses.dataclass
+class _Run:
+    verdict: object
+    ran: object  # the solution's RunResult, or None
+    state: str  # snapshot of /app before the tests
+    change: changes.Changes | None = None
+
+
+def _episode(task: HarborTask, script: str | None, limits: Limits, sandbox_args: dict, *,
+             ops: list[changes.Op] = (), capture: bool = False) -> _Run:
+    """One run in a fresh sandbox: prepare, apply ``ops``, run ``script``, run the tests.
+    ``capture``: also record what the script changed in /app."""
     with Sandbox(limits=limits, **sandbox_args) as sandbox:
         prepare(sandbox, task)
+        top = sandbox.host_path("/app")
+        before = changes.listing(top) if capture else None
+        changes.apply(sandbox, list(ops))
         ran = run_script(sandbox, task, script) if script is not None else None
-        snap = sandbox.snapshot("/app")
-        return run_tests(sandbox, task), ran, snap
+        state = sandbox.snapshot("/app")
+        change = changes.diff(before, changes.listing(top), top) if capture else None
+        return _Run(run_tests(sandbox, task), ran, state, change)
 
 
 def _validate_harbor(task: HarborTask, t0: float, cuts: int, limits: Limits, sandbox_args: dict) -> TaskReport:
+    environment = {"isolation": probe().describe(), "installs": list(task.installs), "notes": list(task.notes)}
     report = lambda status, checks, reason=None: TaskReport(  # noqa: E731
-        task.id, status, checks, time.monotonic() - t0, task.source, reason)
+        task.id, status, checks, time.monotonic() - t0, task.source, reason, environment)
+    if task.unsupported:
+        return report("unsupported", [], task.unsupported)
     if task.solution is None:
         return report("fail", [], "the task has no solution/solve.sh: the oracle check cannot run")
     try:
-        verdict, ran, oracle_state = _episode(task, task.solution, limits, sandbox_args)
-        checks = [Check("oracle", is_full(verdict.reward), f"solve.sh {ran.summary()}; {verdict.detail()}",
+        oracle = _episode(task, task.solution, limits, sandbox_args, capture=True)
+        verdict, ran = oracle.verdict, oracle.ran
+        own = "" if verdict.reward >= 1.0 or not ran.output.strip() else f" ...{ran.output[-400:]}"
+        checks = [Check("oracle", is_full(verdict.reward), f"solve.sh {ran.summary()}{own}; {verdict.detail()}",
                         [{"reward": verdict.reward, "source": verdict.source}])]
-        verdict, _, _ = _episode(task, None, limits, sandbox_args)
-        checks.append(Check("noop", is_zero(verdict.reward), verdict.detail(),
-                            [{"reward": verdict.reward, "source": verdict.source}]))
-        probes, failed = [], 0
-        scripts = [("cut", s) for s in cut_points(task.solution, cuts)] + [("partial", p) for p in task.partials]
-        for kind, script in scripts:
-            verdict, ran, state = _episode(task, script, limits, sandbox_args)
-            lines = script.count("\n")
-            if kind == "cut" and state == oracle_state:
-                probes.append({"kind": kind, "lines": lines, "skipped": "same final state as the oracle"})
-                continue
-            failed += not is_zero(verdict.reward)
-            probes.append({"kind": kind, "lines": lines, "reward": verdict.reward, "source": verdict.source})
-        ran_probes = [p for p in probes if "reward" in p]
-        if not ran_probes:
-            detail = ("no unfinished probe: no cut point of solve.sh leaves a different state "
-                      "and there are no partial solutions")
-        else:
-            detail = f"{failed} of {len(ran_probes)} unfinished runs scored > 0"
-        checks.append(Check("unfinished", bool(ran_probes) and failed == 0, detail, probes))
+        noop = _episode(task, None, limits, sandbox_args)
+        checks.append(Check("noop", is_zero(noop.verdict.reward), noop.verdict.detail(),
+                            [{"reward": noop.verdict.reward, "source": noop.verdict.source}]))
+        checks.append(_unfinished(task, oracle, noop, cuts, limits, sandbox_args))
     except UnsupportedTask as err:
         return report("unsupported", [], str(err))
     except SandboxError as err:
         return report("error", [], f"sandbox: {err}")
     return report("pass" if all(c.passed for c in checks) else "fail", checks)
+
+
+def _unfinished(task: HarborTask, oracle: _Run, noop: _Run, cuts: int, limits: Limits, sandbox_args: dict) -> Check:
+    probes, failed = [], 0
+    runs = [({"kind": "cut", "lines": s.count("\n")}, s, ()) for s in cut_points(task.solution, cuts)]
+    if oracle.change is not None and oracle.change.too_large:
+        probes.append({"kind": "state", "skipped": f"the oracle changed more than {changes.MAX_BYTES} bytes"})
+    elif oracle.change is not None:
+        runs += [({"kind": "state", "name": name, "paths": sorted({op.path for op in ops})[:20]}, None, ops)
+                 for name, ops in oracle.change.partial_states()]
+    runs += [({"kind": "partial", "lines": p.count("\n")}, p, ()) for p in task.partials]
+    for probe_info, script, ops in runs:
+        run = _episode(task, script, limits, sandbox_args, ops=ops)
+        if probe_info["kind"] != "partial" and run.state in (oracle.state, noop.state):
+            same = "the oracle's" if run.state == oracle.state else "the untouched directory (the no-op check)"
+            probes.append({**probe_info, "skipped": f"same final state as {same}"})
+            continue
+        failed += not is_zero(run.verdict.reward)
+        probes.append({**probe_info, "reward": run.verdict.reward, "source": run.verdict.source})
+    ran_probes = [p for p in probes if "reward" in p]
+    if not ran_probes:
+        detail = ("no unfinished probe: no cut point of solve.sh or part of the oracle's changes leaves a "
+                  "different state, and there are no partial solutions")
+    else:
+        detail = f"{failed} of {len(ran_probes)} unfinished runs scored > 0"
+    return Check("unfinished", bool(ran_probes) and failed == 0, detail, probes)
 
 
 def validate(task, *, cuts: int = 3, limits: Limits = Limits(wall_seconds=60.0), network: str = "none",
@@ -168,9 +207,19 @@ def validate(task, *, cuts: int = 3, limits: Limits = Limits(wall_seconds=60.0),
     raise TypeError(f"validate takes a TextTask or HarborTask, got {type(task).__name__}")
 
 
+def _validate_one(task, **kw) -> TaskReport:
+    """``validate``, with any failure of the check itself turned into this task's report."""
+    t0 = time.monotonic()
+    try:
+        return validate(task, **kw)
+    except Exception as err:  # a batch boundary: one task's failure must not end the run
+        return TaskReport(getattr(task, "id", "?"), "error", [], time.monotonic() - t0, getattr(task, "source", None),
+                          f"the check could not run: {type(err).__name__}: {err}")
+
+
 def validate_all(tasks, *, workers: int = 1, **kw) -> list[TaskReport]:
     """``validate`` over many tasks, ``workers`` at a time; reports in input order."""
     if workers <= 1:
-        return [validate(t, **kw) for t in tasks]
+        return [_validate_one(t, **kw) for t in tasks]
     with ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(lambda t: validate(t, **kw), tasks))
+        return list(pool.map(lambda t: _validate_one(t, **kw), tasks))

@@ -70,13 +70,28 @@ def test_good_verifier_passes_all_three(tmp_path):
     report = validate(harbor.load_task(str(write_task(tmp_path, "good"))))
     assert report.passed, report.to_dict()
     unfinished = report.to_dict()["checks"]["unfinished"]["probes"]
-    assert len([p for p in unfinished if "reward" in p]) == 2  # after alpha, after beta
+    cuts = [p for p in unfinished if p["kind"] == "cut" and "reward" in p]
+    states = [p for p in unfinished if p["kind"] == "state" and "reward" in p]
+    assert len(cuts) == 2  # after alpha, after beta
+    assert [p["name"] for p in states] == ["the last write cut short"] and states[0]["paths"] == ["result.txt"]
 
 
-def test_single_statement_oracle_without_partials_is_rejected(tmp_path):
+def test_a_one_command_oracle_is_checked_through_its_effect_on_the_files(tmp_path):
     solve = "#!/bin/bash\nprintf 'alpha\\nbeta\\ngamma\\n' > /app/result.txt\n"
     report = validate(harbor.load_task(str(write_task(tmp_path, "one", solve=solve))))
-    assert report.status == "fail" and "no unfinished probe" in report.checks[2].detail
+    assert report.passed, report.to_dict()
+    probes = report.to_dict()["checks"]["unfinished"]["probes"]
+    assert [(p["kind"], p["reward"]) for p in probes if "reward" in p] == [("state", 0.0)]
+    weak = harbor.load_task(str(write_task(tmp_path, "weak", solve=solve, test=BROKEN["file_exists_only"][0])))
+    report = validate(weak)  # a half-written result.txt still exists: the weak verifier is caught
+    assert report.status == "fail" and not report.checks[2].passed, report.to_dict()
+
+
+def test_without_any_unfinished_probe_the_verifier_is_rejected(tmp_path):
+    solve = "#!/bin/bash\ntouch /app/done\n"  # an empty file: nothing to cut short, nothing before it
+    test = "#!/bin/bash\ntest -e /app/done\n"
+    report = validate(harbor.load_task(str(write_task(tmp_path, "empty", solve=solve, test=test))))
+    assert report.status == "fail" and "no unfinished probe" in report.checks[2].detail, report.to_dict()
 
 
 def test_reward_json_and_exit_status(tmp_path):
@@ -103,15 +118,20 @@ def test_dockerfile_is_emulated_and_workdir_mapped(tmp_path):
 
 @pytest.mark.parametrize("case", ["apt", "compose", "copy_outside", "run_fails", "test_needs_network"])
 def test_environments_that_cannot_be_set_up_are_unsupported(tmp_path, case):
-    docker = {"apt": "FROM ubuntu\nRUN apt-get update && apt-get install -y jq\n", "compose": "FROM ubuntu\n",
+    docker = {"apt": "FROM ubuntu\nRUN apt-get update && apt-get install -y jq glmjax-no-such-package\n",
+              "compose": "FROM ubuntu\n",
               "copy_outside": "FROM ubuntu\nWORKDIR /app\nCOPY tool /usr/local/bin/tool\n",
               "run_fails": "FROM ubuntu\nWORKDIR /app\nRUN false\n", "test_needs_network": "FROM ubuntu\n"}[case]
-    test = "#!/bin/bash\ncurl -LsSf https://astral.sh/uv/install.sh | sh\n" if case == "test_needs_network" else GOOD_TEST
+    test = ("#!/bin/bash\nwget -q https://example.com/expected.txt\n" + GOOD_TEST.split("\n", 1)[1]
+            if case == "test_needs_network" else GOOD_TEST)
     path = write_task(tmp_path, case, dockerfile=docker, files={"tool": "#!/bin/sh\n"}, test=test)
     if case == "compose":
         (path / "environment" / "docker-compose.yaml").write_text("services:\n  main:\n    build: .\n")
     report = validate(harbor.load_task(str(path)))
     assert report.status == "unsupported" and report.reason, report.to_dict()
+    named = {"apt": "glmjax-no-such-package", "compose": "docker-compose", "copy_outside": "/usr/local/bin/tool",
+             "run_fails": "RUN 'false'", "test_needs_network": "https://example.com/expected.txt"}[case]
+    assert named in report.reason, report.reason
 
 
 def test_terminal_bench_format(tmp_path):

@@ -45,7 +45,7 @@ def test_cuts_that_leave_the_oracle_state_are_skipped():
     probes = report.to_dict()["checks"]["unfinished"]["probes"]
     assert any(p.get("skipped") for p in probes) and any(p.get("reward") == 0.0 for p in probes)
     data = json.loads(json.dumps(report.to_dict()))
-    assert set(data) == {"task", "status", "source", "reason", "seconds", "checks"}
+    assert set(data) == {"task", "status", "source", "reason", "seconds", "checks", "environment"}
     assert set(data["checks"]) == {"oracle", "noop", "unfinished"}
 
 
