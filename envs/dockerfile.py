@@ -47,7 +47,8 @@ class DockerfileError(ValueError):
 @dataclasses.dataclass
 class Image:
     """What the emulated build produced. ``files``: the working directory's contents,
-    paths relative to it; ``setup``: the RUN commands, install steps resolved."""
+    paths relative to it; ``setup``: the RUN commands as written (``envs/harbor.py``
+    resolves their install steps when it runs them); ``installs``: how they resolve."""
 
     workdir: str = "/app"
     files: dict[str, bytes] = dataclasses.field(default_factory=dict)
@@ -136,7 +137,7 @@ def emulate(path: str) -> Image:
             image.installs += found.installs
             if found.unsupported:
                 image.refuse(found.unsupported)
-            image.setup.append(found.script)
+            image.setup.append(command)
         elif op in _IGNORED:
             if op in ("CMD", "ENTRYPOINT", "USER"):
                 image.notes.append(f"{op} {arg}: not applied (commands run as the sandbox's user; nothing is started)")

@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import ast
 import math
-import os
 import random
 import subprocess
 from typing import Sequence
 
-from envs import families
+from envs import families, tree
 from envs.base import TextTask, is_full, parse_action
 from envs.models import ModelClient, ModelError
 from envs.sandbox import Limits
@@ -51,15 +50,13 @@ def _bash_ok(command: str) -> bool:
 
 
 def _python_files_parse(env: ShellEnv) -> bool:
-    top = env.sandbox.host_path("/app")
-    for dirpath, _, names in os.walk(top):
-        for name in names:
-            if name.endswith(".py"):
-                data = env.sandbox.read_bytes("/app/" + os.path.relpath(os.path.join(dirpath, name), top))
-                try:
-                    ast.parse(data or b"")
-                except (SyntaxError, ValueError):
-                    return False
+    """Every .py file under /app parses (any depth: ``envs/tree.py``)."""
+    for entry in tree.files(env.sandbox.host_path("/app")):
+        if entry.name.endswith(".py"):
+            try:
+                ast.parse(entry.read(1 << 20))
+            except (SyntaxError, ValueError):
+                return False
     return True
 
 

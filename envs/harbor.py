@@ -35,7 +35,7 @@ read only from the directory made for the verifier, and only from a regular file
 Reward: ``/logs/verifier/reward.txt`` (a number) or ``reward.json`` (``{"reward": x}``, or
 the mean of its numeric values); a test script that writes neither is scored by its exit
 status (0 -> 1.0, else 0.0). A verifier that is killed (timeout, output or memory limit),
-a reward file that is a symlink, or a replaced verifier directory scores 0.
+or a reward file that is not a regular file (a symlink) scores 0.
 Export (``export_task``) writes the Harbor layout; glmjax's own fields go in
 ``[metadata] glmjax`` (JSON) and partial solutions in ``solution/partial-N.sh``.
 """
@@ -102,8 +102,8 @@ class HarborTask(Task):
 @dataclasses.dataclass(frozen=True)
 class Verdict:
     """A verifier run: the reward, where it came from ("reward.txt" | "reward.json" |
-    "exit status" | "killed" | "unreadable reward" | "reward file is not a regular file" |
-    "verifier directory replaced"), and the test command's result."""
+    "exit status" | "killed" | "unreadable reward" | "reward file is not a regular file"), and
+    the test command's result."""
 
     reward: float
     source: str
@@ -114,12 +114,20 @@ class Verdict:
 
 
 # ----- running ---------------------------------------------------------------------------------
-def _map(text: str | bytes, task: HarborTask, sandbox: Sandbox) -> str | bytes:
+def _map(text: str | bytes, task: HarborTask, sandbox: Sandbox, script: str | None = None) -> str | bytes:
+    """``text`` as the sandbox runs it: the task's working directory written as ``/app``,
+    paths rewritten for the plain fallback and, for a shell ``script`` (its name), the
+    install steps that cannot run offline replaced (``envs/installs.py``)."""
     if isinstance(text, bytes):
         try:
-            return _map(text.decode(), task, sandbox).encode()
+            return _map(text.decode(), task, sandbox, script).encode()
         except UnicodeDecodeError:
             return text
+    if script is not None:
+        try:
+            text = installs.scan(text, script).script
+        except ValueError:
+            pass  # not shell syntax glmjax can read: run as written, bash will say what is wrong
     if task.workdir != "/app":
         text = re.sub(r"(?<![\w./-])" + re.escape(task.workdir.rstrip("/")) + r"(?=[/\s\"'`;:)|&<>]|$)", "/app", text)
     return sandbox.rewrite(text)
@@ -136,6 +144,7 @@ def task_env(sandbox: Sandbox, task: HarborTask, *, verifier: bool = False) -> d
         env["PATH"] = ":".join(e for e in entries if e and os.path.isabs(e) and not any(
             e == w or e.startswith(w + "/") for w in writable)) or path
         env["PYTHONNOUSERSITE"] = "1"
+        env.setdefault("PYTEST_ADDOPTS", "-p no:cacheprovider")  # /tests is read-only
     return env
 
 
@@ -146,7 +155,7 @@ def prepare(sandbox: Sandbox, task: HarborTask) -> None:
     for rel, data in task.files.items():
         sandbox.write_file(f"/app/{rel}", _map(data, task, sandbox))
     for command in task.setup:
-        result = sandbox.run(_map(command, task, sandbox), env=task_env(sandbox, task))
+        result = sandbox.run(_map(command, task, sandbox, "RUN"), env=task_env(sandbox, task))
         if not result.ok:
             raise UnsupportedTask(f"environment setup failed locally: RUN {command!r} {result.summary()} "
                                   f"{result.output[-300:]}")
@@ -157,8 +166,8 @@ def run_script(sandbox: Sandbox, task: HarborTask, script: str) -> RunResult:
     with the rest of the task's ``solution/`` beside it."""
     sandbox.reset_dir("/solution")
     for rel, data in task.solution_files.items():
-        sandbox.write_file(f"/solution/{rel}", _map(data, task, sandbox))
-    sandbox.write_file("/solution/solve.sh", _map(script, task, sandbox))
+        sandbox.write_file(f"/solution/{rel}", _map(data, task, sandbox, rel if rel.endswith(".sh") else None))
+    sandbox.write_file("/solution/solve.sh", _map(script, task, sandbox, "solve.sh"))
     limits = sandbox.limits.replace(wall_seconds=min(sandbox.limits.wall_seconds, task.agent_timeout))
     return sandbox.run(f"bash {shlex.quote(sandbox.path('/solution/solve.sh'))}", limits=limits,
                        env=task_env(sandbox, task))
@@ -169,18 +178,16 @@ def run_tests(sandbox: Sandbox, task: HarborTask) -> Verdict:
     with the verifier's environment, the reward read from the verifier's own directory."""
     for virtual in ("/tmp", "/tests", "/logs/verifier"):
         sandbox.reset_dir(virtual)
-    ident = os.stat(sandbox.host_path("/logs/verifier"))
     for rel, data in task.tests.items():
-        sandbox.write_file(f"/tests/{rel}", _map(data, task, sandbox))
+        sandbox.write_file(f"/tests/{rel}", _map(data, task, sandbox, rel if rel.endswith(".sh") else None))
     limits = sandbox.limits.replace(wall_seconds=task.verifier_timeout)
     result = sandbox.run(_map(task.test_command, task, sandbox), limits=limits,
                          env=task_env(sandbox, task, verifier=True))
     if result.killed:
         return Verdict(0.0, "killed", result)
     try:
-        text = _verifier_file(sandbox, (ident.st_dev, ident.st_ino), "reward.txt", 4096)
-        blob = None if text is not None else _verifier_file(sandbox, (ident.st_dev, ident.st_ino), "reward.json",
-                                                            1 << 16)
+        text = _verifier_file(sandbox, "reward.txt", 4096)
+        blob = None if text is not None else _verifier_file(sandbox, "reward.json", 1 << 16)
     except _Forged as err:
         return Verdict(0.0, str(err), result)
     if text is not None:
@@ -202,20 +209,17 @@ def run_tests(sandbox: Sandbox, task: HarborTask) -> Verdict:
 
 
 class _Forged(Exception):
-    """The reward is not where the verifier writes it: a symlink, or a swapped directory."""
+    """The reward is not a regular file in the verifier's directory."""
 
 
-def _verifier_file(sandbox: Sandbox, ident: tuple[int, int], name: str, limit: int) -> bytes | None:
-    """``name`` from the verifier directory made for this run (never through a symlink);
-    None when it is missing."""
+def _verifier_file(sandbox: Sandbox, name: str, limit: int) -> bytes | None:
+    """``name`` from the verifier directory made for this run (which the sandbox's user
+    cannot replace: its parent is root's), never through a symlink; None when missing."""
     try:
         dir_fd = os.open(sandbox.host_path("/logs/verifier"), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError:
-        raise _Forged("verifier directory replaced") from None
+        raise _Forged("verifier directory is not a directory") from None
     try:
-        st = os.fstat(dir_fd)
-        if (st.st_dev, st.st_ino) != ident:
-            raise _Forged("verifier directory replaced")
         try:
             fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
         except FileNotFoundError:
@@ -330,11 +334,11 @@ def _task_toml(path: str) -> dict:
     return config
 
 
-def _scan_scripts(files: Mapping[str, bytes], where: str, path: str, entry: str | None = None):
-    """``files`` with each shell script's install steps resolved: (files, installs, unsupported)."""
-    out, found, unsupported = dict(files), [], None
+def _scan_scripts(files: Mapping[str, bytes], where: str, path: str):
+    """How the install steps of each shell script in ``files`` resolve: (installs, unsupported)."""
+    found, unsupported = [], None
     for rel, data in files.items():
-        if not rel.endswith(".sh") and rel != entry:
+        if not rel.endswith(".sh"):
             continue
         try:
             result = installs.scan(data.decode(), f"{where}/{rel}", read=lambda p: _read(os.path.join(path, p)))
@@ -342,10 +346,9 @@ def _scan_scripts(files: Mapping[str, bytes], where: str, path: str, entry: str 
             continue
         except ValueError as err:
             raise HarborFormatError(f"{os.path.join(path, where, rel)}: {err}") from None
-        out[rel] = result.script.encode()
         found += result.installs
         unsupported = unsupported or result.unsupported
-    return out, found, unsupported
+    return found, unsupported
 
 
 def _image(path: str, envdir: str) -> dockerfile.Image:
@@ -378,11 +381,13 @@ def _load_harbor(path: str) -> HarborTask:
         unsupported = "environment/docker-compose.yaml: multi-container environments need Docker"
     elif environment.get("docker_image") and not os.path.isfile(os.path.join(envdir, "Dockerfile")):
         unsupported = f"prebuilt image {environment['docker_image']!r} needs Docker"
-    tests, test_installs, bad = _scan_scripts(read_tree(os.path.join(path, "tests")), "tests", path)
+    tests = read_tree(os.path.join(path, "tests"))
+    test_installs, bad = _scan_scripts(tests, "tests", path)
     unsupported = unsupported or bad
     if "test.sh" not in tests and not steps:
         raise FileNotFoundError(f"{path}: tests/test.sh is missing")
-    solution_files, solution_installs, bad = _scan_scripts(read_tree(os.path.join(path, "solution")), "solution", path)
+    solution_files = read_tree(os.path.join(path, "solution"))
+    solution_installs, bad = _scan_scripts(solution_files, "solution", path)
     unsupported = unsupported or bad
     partials = tuple(solution_files.pop(n).decode() for n in sorted(solution_files) if re.fullmatch(r"partial-\d+\.sh", n))
     solve = solution_files.pop("solve.sh", None)
@@ -451,12 +456,12 @@ def _load_terminal_bench(path: str) -> HarborTask:
     if runner is None:
         raise FileNotFoundError(f"{path}: run-tests.sh is missing")
     tests = {**read_tree(os.path.join(path, "tests")), "run-tests.sh": runner.encode()}
-    tests, test_installs, bad = _scan_scripts(tests, "tests", path)
+    test_installs, bad = _scan_scripts(tests, "tests", path)
     unsupported = unsupported or bad
     solution_installs = []
     if solution is not None:
-        scanned, solution_installs, bad = _scan_scripts({"solution.sh": solution.encode()}, ".", path)
-        solution, unsupported = scanned["solution.sh"].decode(), unsupported or bad
+        solution_installs, bad = _scan_scripts({"solution.sh": solution.encode()}, ".", path)
+        unsupported = unsupported or bad
     return HarborTask(
         id=_task_id(path, {}), instruction=instruction, domain=str(config.get("category", "terminal")),
         difficulty=_difficulty(config.get("difficulty", "medium")),

@@ -22,7 +22,7 @@ import random
 from typing import Callable
 
 from envs.base import ACTION_HELP, Step, Transcript, Turn, parse_action
-from envs.harbor import HarborTask, Verdict, prepare, run_tests
+from envs.harbor import HarborTask, Verdict, prepare, run_tests, task_env
 from envs.sandbox import Limits, Sandbox, SandboxError
 
 
@@ -78,7 +78,8 @@ class ShellEnv:
                     parts.append("[agent time is up]")
                     break
                 limits = self.limits.replace(wall_seconds=max(min(self.limits.wall_seconds, self.time_left), 0.1))
-                result = self.sandbox.run(self.sandbox.rewrite(command), limits=limits, env=self.task.env)
+                result = self.sandbox.run(self.sandbox.rewrite(command), limits=limits,
+                                          env=task_env(self.sandbox, self.task))
                 self.time_left -= result.seconds
                 self.stats["commands"] += 1
                 self.stats["killed"] += result.killed is not None
