@@ -3,17 +3,37 @@
 One orbax `CheckpointManager` (asynchronous saves, the newest `keep` retained) holds, per
 step: the policy and critic parameters (and router biases), both optimizers' states, the
 learner's step and skip counters, the task stream's position (grain iterator state), the
-admission counters, the weight version and the base model's pass rate. Arrays go through
-`StandardSave`; the small loop state through `JsonSave`.
+admission counters, the weight version, the base model's pass rate and whatever else the
+trainer passes (its running totals for summary.json). Arrays go through `StandardSave`;
+the small loop state through `JsonSave`.
+
+Restore reads the newest step that reads in full (its metadata, then every array) and
+only then loads it into the live objects, so a failed read changes nothing. A step that
+does not read (a truncated array file, metadata that is not JSON or lacks a field) is
+skipped with one warning naming it and why; once an older step has read, each skipped
+step is moved aside to `<step>.corrupt` in the same directory, kept for inspection, and
+its step number is free again for the resumed run's save. When no step reads, nothing is
+moved and `UnreadableCheckpoints` lists every step's reason: a run whose model config
+changed since it was checkpointed fails on every step, and must not start over in place.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
+
+log = logging.getLogger(__name__)
+
+# What restore loads into the live objects; a checkpoint without one of them does not read.
+_REQUIRED_META = ("step", "version", "learner_steps", "skipped", "stream", "admission")
+
+
+class UnreadableCheckpoints(RuntimeError):
+    """Every checkpoint in the directory fails to read (the message lists each step's reason)."""
 
 
 def _modules(policy, critic, learner) -> dict:
@@ -23,6 +43,19 @@ def _modules(policy, critic, learner) -> dict:
     return out
 
 
+def _reason(err: BaseException, limit: int = 400) -> str:
+    """`err` and the innermost error of its chain, on one line: orbax wraps TensorStore's
+    precise message ("OUT_OF_RANGE: Error reading ...") in a generic one that dumps the
+    whole array spec, so the layers between are left out."""
+    inner = err
+    while inner.__cause__ is not None or inner.__context__ is not None:
+        inner = inner.__cause__ or inner.__context__
+    text = " ".join(str(inner).split())
+    text = text if len(text) <= limit else text[:limit - 3] + "..."
+    detail = f"{type(inner).__name__}: {text}" if text else type(inner).__name__
+    return str(err) if inner is err else f"{err}: {detail}"
+
+
 class LoopCheckpointer:
     def __init__(self, directory: str, keep: int = 2):
         self.directory = os.path.abspath(directory)
@@ -30,6 +63,7 @@ class LoopCheckpointer:
         self.manager = ocp.CheckpointManager(self.directory, options=options)
 
     def save(self, step: int, *, policy, critic, learner, stream, admission, version: int, **extra) -> None:
+        """Starts an asynchronous save of `step`; `extra` (JSON values) lands in the metadata."""
         arrays = {k: nnx.state(m).to_pure_dict() for k, m in _modules(policy, critic, learner).items()}
         meta = {"step": step, "version": version, "learner_steps": learner.steps, "skipped": learner.skipped,
                 "stream": stream.get_state(), "admission": admission.state_dict(), **extra}
@@ -37,25 +71,63 @@ class LoopCheckpointer:
                                                          meta=ocp.args.JsonSave(meta)))
 
     def restore(self, *, policy, critic, learner, stream, admission) -> dict | None:
-        """Loads the newest checkpoint into the given objects; returns its metadata, or None
-        when there is none."""
-        step = self.manager.latest_step()
-        if step is None:
-            return None
+        """Loads the newest checkpoint that reads into the given objects and returns its
+        metadata; None when there is no checkpoint. Steps that do not read are skipped and
+        set aside (module docstring); UnreadableCheckpoints when none reads."""
         modules = _modules(policy, critic, learner)
         abstract = {k: jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.state(m).to_pure_dict())
                     for k, m in modules.items()}
-        restored = self.manager.restore(step, args=ocp.args.Composite(
-            arrays=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+        failed = []  # (step, reason), newest first
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                meta, arrays = self._read(step, abstract)
+                break
+            except Exception as err:  # orbax raises TensorStore read failures as a plain Exception
+                failed.append((step, _reason(err)))
+        else:
+            if failed:
+                raise UnreadableCheckpoints(f"no checkpoint in {self.directory} reads: " + "; ".join(
+                    f"step {s}: {why}" for s, why in failed))
+            return None
+        for bad, why in failed:
+            moved = self._set_aside(bad)
+            log.warning("checkpoint step %d does not read (%s): resuming from step %d instead; step %d is moved "
+                        "to %s", bad, why, step, bad, moved)
+        if failed:
+            self.manager.reload()
         for k, m in modules.items():
             state = nnx.state(m)
-            nnx.replace_by_pure_dict(state, restored["arrays"][k])
+            nnx.replace_by_pure_dict(state, arrays[k])
             nnx.update(m, state)
-        meta = restored["meta"]
         learner.steps, learner.skipped = meta["learner_steps"], meta["skipped"]
         stream.set_state(meta["stream"])
         admission.load_state_dict(meta["admission"])
         return meta
+
+    def _read(self, step: int, abstract: dict) -> tuple[dict, dict]:
+        """Step `step`'s metadata and arrays, read in full; raises if any part does not read."""
+        try:
+            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        except Exception as err:
+            raise ValueError(f"{step}/meta/metadata") from err
+        missing = [k for k in _REQUIRED_META if k not in (meta if isinstance(meta, dict) else {})]
+        if missing:
+            raise ValueError(f"{step}/meta/metadata lacks {missing}")
+        try:
+            arrays = self.manager.restore(step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(abstract)))
+        except Exception as err:
+            raise ValueError(f"{step}/arrays") from err
+        return meta, arrays["arrays"]
+
+    def _set_aside(self, step: int) -> str:
+        """Renames step `step`'s directory to `<step>.corrupt` (`.corrupt-2`, ... if taken)."""
+        src = os.path.join(self.directory, str(step))
+        dst, n = f"{src}.corrupt", 1
+        while os.path.exists(dst):
+            n += 1
+            dst = f"{src}.corrupt-{n}"
+        os.rename(src, dst)
+        return dst
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

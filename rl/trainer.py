@@ -11,6 +11,13 @@
      every update is published to the WeightStore by reference;
   4. held-out evaluation again; workdir/summary.json and a before/after table.
 Metrics go to tensorboardX (workdir/tb) and a progress bar.
+
+Checkpoints (workdir/checkpoints, rl/checkpoint.py) are written every
+`checkpoint_every` steps; a rerun in the same workdir resumes from the newest one that
+reads and prints "resumed from step N". The checkpoint carries the run's totals (rollouts,
+dropped rollouts, learner, loop, warm-up and wall seconds), so a resumed run's
+summary.json counts the whole run: every process's work up to its last checkpoint, and
+the work after it, which the resumed run redoes, once.
 """
 
 from __future__ import annotations
@@ -161,8 +168,13 @@ def run(cfg, workdir: str, make_rollout=None) -> dict:
     admission = ro.Admission(rl.batch_size, rl.eta, rl.slots)
     ckpt = LoopCheckpointer(os.path.join(workdir, "checkpoints"), keep=2)
     resumed = ckpt.restore(policy=policy, critic=critic, learner=learner, stream=stream, admission=admission)
-    if resumed and resumed["version"] > store.version:  # a run killed before its first update stays at 0
-        store.publish(nnx.state(policy), resumed["version"])
+    if resumed:
+        print(f"resumed from step {resumed['step']} ({os.path.join(ckpt.directory, str(resumed['step']))})",
+              flush=True)
+        if resumed["version"] > store.version:  # a run killed before its first update stays at 0
+            store.publish(nnx.state(policy), resumed["version"])
+    before = resumed or {}  # the totals of the processes before this one, up to the checkpoint
+    earlier = {k: before.get(k, 0.0) for k in ("wall_seconds", "warmup_seconds", "rl_seconds")}
     writer = _writer(workdir)
     history = open(os.path.join(workdir, "metrics.jsonl"), "a")
 
@@ -181,17 +193,17 @@ def run(cfg, workdir: str, make_rollout=None) -> dict:
     make_rollout = make_rollout or default_rollout
     driver.start()
     loop_start = time.time()
-    pending, dropped = {}, collections.Counter()
+    pending, dropped = {}, collections.Counter(before.get("dropped", {}))
     groups = collections.defaultdict(list)  # group id -> its finished rollouts (None where dropped)
     ready = []  # complete groups, each a list of rollouts, each a list of segments
-    step, rollouts, rng_seed = learner.steps, 0, cfg.seed * 1_000_003
+    step, rollouts, rng_seed = learner.steps, before.get("rollouts", 0), cfg.seed * 1_000_003
     group = rl.get("group_size", 1)  # GRPO-style baselines sample G rollouts per prompt
     yields = rl.get("generation_yields", True)
     if rl.batch_size % group:
         raise ValueError(f"rl.batch_size={rl.batch_size} must be a multiple of rl.group_size={group}")
     rows = rl.batch_size * (compaction.max_segments if compaction else 1)  # one learner shape
     bar = tqdm(total=rl.steps, initial=step, desc="SAO", mininterval=1.0)
-    busy, last_step_at = 0.0, time.time()
+    busy, last_step_at = before.get("learner_seconds", 0.0), time.time()
     while step < rl.steps:
         while admission.capacity(store.version) >= group:
             task = next(stream)
@@ -253,7 +265,8 @@ def run(cfg, workdir: str, make_rollout=None) -> dict:
         metrics["tokens_per_s"] = sum(len(tr.completion) for tr in batch) / max(now - last_step_at, 1e-9)
         last_step_at = now
         metrics.update(reward=float(np.mean([tr.reward for tr in last])), staleness_mean=float(np.mean(staleness)),
-                       learner_s=learner_s, learner_busy_fraction=busy / max(time.time() - loop_start, 1e-9))
+                       learner_s=learner_s,
+                       learner_busy_fraction=busy / max(earlier["rl_seconds"] + time.time() - loop_start, 1e-9))
         for k, v in metrics.items():
             writer.add_scalar(f"train/{k}", v, step)
         history.write(json.dumps({"step": step, "version": store.version, "time": time.time() - start,
@@ -263,10 +276,14 @@ def run(cfg, workdir: str, make_rollout=None) -> dict:
         bar.update(1)
         bar.set_postfix(reward=f"{metrics['reward']:.2f}", vloss=f"{metrics.get('value_loss', 0):.3f}")
         if step % cfg.checkpoint_every == 0 or step == rl.steps:
+            now = time.time()
             ckpt.save(step, policy=policy, critic=critic, learner=learner, stream=stream, admission=admission,
-                      version=store.version, base_pass_rate=base_rate)
+                      version=store.version, base_pass_rate=base_rate, rollouts=rollouts, dropped=dict(dropped),
+                      learner_seconds=busy, rl_seconds=earlier["rl_seconds"] + now - loop_start,
+                      warmup_seconds=earlier["warmup_seconds"] + warmup_seconds,
+                      wall_seconds=earlier["wall_seconds"] + now - start)
     bar.close()
-    rl_seconds = max(time.time() - loop_start, 1e-9)
+    rl_seconds = max(earlier["rl_seconds"] + time.time() - loop_start, 1e-9)
     for h in pending:
         h.cancel()
     driver.stop()
@@ -277,8 +294,10 @@ def run(cfg, workdir: str, make_rollout=None) -> dict:
     writer.add_scalar("eval/pass_rate", final_rate, step)
     summary = {"base_pass_rate": base_rate, "final_pass_rate": final_rate, "steps": step, "rollouts": rollouts,
                "algorithm": rl.algorithm, "eta": rl.eta, "dropped": dict(dropped), "heldout_tasks": len(heldout),
-               "wall_seconds": time.time() - start, "warmup_seconds": warmup_seconds, "rl_seconds": rl_seconds,
-               "learner_busy_fraction": busy / rl_seconds, "relative_gain": (final_rate - base_rate) / max(base_rate, 1e-9)}
+               "wall_seconds": earlier["wall_seconds"] + time.time() - start,
+               "warmup_seconds": earlier["warmup_seconds"] + warmup_seconds, "rl_seconds": rl_seconds,
+               "learner_busy_fraction": busy / rl_seconds, "relative_gain": (final_rate - base_rate) / max(base_rate, 1e-9),
+               "resumed_from_step": resumed["step"] if resumed else None}
     with open(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     writer.close()
