@@ -252,3 +252,80 @@ def test_commands_are_forked_by_helpers_never_by_the_caller(monkeypatch):
             box.run("sleep 5")
         assert helper not in launcher._POOL.idle
         assert box.run("echo ok").output == "ok\n"
+
+
+def _lock_is_free(uid: int) -> bool:
+    import fcntl
+    import tempfile
+
+    fd = os.open(os.path.join(tempfile.gettempdir(), "glmjax-sandbox-uids", str(uid)), os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def test_a_tree_1100_levels_deep_is_hashed_checked_and_removed():
+    from envs import evaluate
+
+    env = ShellEnv(max_turns=3)
+    env.reset(_answer_task())
+    box = env.sandbox
+    root, uid = box.root, box.uid
+    obs, *_ = env.step("<bash>python3 -c \"import os\nfor _ in range(1100): os.mkdir('d'); os.chdir('d')\n"
+                       "open('bad.py', 'w').write('def broken(:')\nprint(len(os.getcwd()))\"</bash>")
+    assert "[exit 0" in obs and int(obs.split()[0]) > 2200, obs  # deeper than os.walk's recursion limit allows
+    before = box.snapshot("/app")
+    box.run("f=$(find /app -name bad.py); echo 'x = 1' > \"$f\"")
+    assert box.snapshot("/app") != before  # the bottom of the tree is part of the hash
+    assert evaluate._python_files_parse(env) is True
+    box.run("f=$(find /app -name bad.py); echo 'def broken(:' > \"$f\"")
+    assert evaluate._python_files_parse(env) is False  # the file at the bottom is found and read
+    env.close()
+    assert not os.path.exists(root)
+    if uid is not None:
+        assert _lock_is_free(uid) and _uid_processes(uid) == []
+
+
+@needs_uid
+def test_close_releases_the_uid_even_when_removing_the_directory_fails(monkeypatch):
+    from envs import tree
+
+    box = Sandbox()
+    root, uid = box.root, box.uid
+    monkeypatch.setattr(tree, "rmtree", lambda path: (_ for _ in ()).throw(OSError(f"cannot remove {path}")))
+    with pytest.raises(OSError, match="cannot remove"):
+        box.close()
+    assert _lock_is_free(uid)
+    monkeypatch.undo()
+    tree.rmtree(root)
+
+
+needs_cgroup = pytest.mark.skipif(not ISO.memory.startswith("cgroup"), reason="no memory cgroup here: " + ISO.describe())
+
+
+@needs_cgroup
+def test_memory_of_all_processes_together_is_capped():
+    hold = ("python3 -c \"import time; a = bytearray(300 << 20); a[::4096] = b'x' * len(a[::4096]); "
+            "print('held', flush=True); time.sleep(4)\"")
+    with Sandbox(limits=Limits(memory_bytes=512 << 20, wall_seconds=30.0)) as box:
+        assert box.isolation.memory == ISO.memory and f"memory={ISO.memory}" in box.isolation.describe()
+        one = box.run(hold)
+        assert one.ok and "held" in one.output, one  # one process fits: the limit is not per process
+        four = box.run(f"for i in 1 2 3 4; do {hold} & done; wait")
+        assert four.killed == "memory_limit" and four.output.splitlines().count("held") <= 1, (four.summary(), four.output)
+        assert box.memory.peak_bytes() <= 512 << 20
+
+
+def test_without_a_cgroup_the_report_says_memory_is_capped_per_process(monkeypatch):
+    from envs import cgroup
+
+    monkeypatch.setattr(sandbox_module, "_PROBED", None)
+    monkeypatch.setattr(cgroup, "available", lambda: None)
+    found = sandbox_module.probe()
+    assert found.memory == "per-process" and "memory=per-process" in found.describe()
+    with Sandbox() as box:
+        assert box.memory is None and box.run("echo ok").output == "ok\n"
