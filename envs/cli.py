@@ -10,6 +10,11 @@
 Models (``--model``, ``--author``, ``--verifier``, ``--judge``): ``openai:URL#name`` (an
 OpenAI-compatible completions endpoint), ``oracle`` (the tasks' reference solutions),
 ``noop`` (submits at once), ``engine:...`` (the glmjax engine, once its adapter exists).
+
+Bad input (a missing directory, a malformed task, an unknown family or model, an
+unsupported task for ``run``) ends with a one-line ``glmjax-envs CMD: error: ...`` after
+the usage line, exit status 2; in ``validate`` a task that cannot be loaded is that
+task's error report and the others still run.
 """
 
 from __future__ import annotations
@@ -24,21 +29,74 @@ from envs.generate import generate
 from envs.shell import ShellEnv
 
 
+class UsageError(Exception):
+    """Bad input from the command line; the message says what and how to fix it."""
+
+
+# Errors that report bad input, shown as one line (anything else is a bug: a traceback)
+_INPUT_ERRORS = (UsageError, harbor.HarborFormatError, harbor.UnsupportedTask, sandbox.SandboxError, models.ModelError,
+                 FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError, PermissionError)
+
+
+def _client(spec: str, **kw):
+    try:
+        return models.client_from_spec(spec, **kw)
+    except (ValueError, NotImplementedError) as err:
+        raise UsageError(f"--model {spec!r}: {err}") from None
+
+
+def _out_dir(path: str | None) -> str | None:
+    if path and os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"--out {path!r} is a file; give a directory for the reports")
+    return path
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(k) for k in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"values must be >= 1, got {text!r}")
+    return values
+
+
+def _family_count(text: str) -> tuple[str, int]:
+    name, _, n = text.partition("=")
+    if name not in families.names():
+        raise argparse.ArgumentTypeError(f"unknown family {name!r}; known: {', '.join(families.names())}")
+    try:
+        count = int(n or 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: COUNT must be an integer (NAME=COUNT)") from None
+    return name, count
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def _info(args) -> int:
     print(json.dumps(sandbox.probe().__dict__ | {"describe": sandbox.probe().describe()}, indent=1))
     return 0
 
 
 def _validate(args) -> int:
+    _out_dir(args.out)
     paths = harbor.find_tasks(args.dirs)
     if not paths:
-        print(f"no task directories (task.toml or task.yaml) under {args.dirs}", file=sys.stderr)
-        return 2
+        raise UsageError(f"no task directories (with task.toml or task.yaml) under {', '.join(args.dirs)}")
     tasks, reports = [], []
     for path in paths:
         try:
             tasks.append(harbor.load_task(path))
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError) as err:  # one task's bad files are that task's report
             reports.append(validate.TaskReport(os.path.basename(path), "error", [], 0.0, path, f"cannot load: {err}"))
     reports += validate.validate_all(tasks, workers=args.workers, cuts=args.cuts, network=args.network)
     for report in reports:
@@ -58,22 +116,16 @@ def _validate(args) -> int:
 
 def _export(args) -> int:
     if args.family not in families.SANDBOX:
-        print(f"only sandboxed families export to Harbor: {sorted(families.SANDBOX)}", file=sys.stderr)
-        return 2
+        raise UsageError(f"family {args.family!r} does not export to Harbor; sandboxed families: "
+                         f"{', '.join(sorted(families.SANDBOX))}")
     for task in families.make_tasks(args.family, args.n, seed=args.seed, difficulty=args.difficulty):
         print(harbor.export_task(task, args.out))
     return 0
 
 
 def _generate(args) -> int:
-    counts = {}
-    for item in args.family or ["terminal=8"]:
-        name, _, n = item.partition("=")
-        if name not in families.names():
-            print(f"unknown family {name!r}; known: {families.names()}", file=sys.stderr)
-            return 2
-        counts[name] = int(n or 1)
-    client = lambda spec: models.client_from_spec(spec) if spec else None  # noqa: E731
+    counts = dict(args.family or [("terminal", 8)])
+    client = lambda spec: _client(spec) if spec else None  # noqa: E731
     registry = generate(args.out, families_n=counts, seed=args.seed, author=client(args.author),
                         verifier=client(args.verifier), judge_client=client(args.judge), workers=args.workers)
     print(json.dumps(registry.counts(), indent=1))
@@ -82,7 +134,7 @@ def _generate(args) -> int:
 
 def _run(args) -> int:
     task = harbor.load_task(args.task)
-    client = models.client_from_spec(args.model, tasks=[task])
+    client = _client(args.model, tasks=[task])
     env = ShellEnv(max_turns=args.max_turns)
     try:
         env.reset(task)
@@ -99,12 +151,14 @@ def _eval(args) -> int:
     categories = args.categories.split(",")
     unknown = set(categories) - set(evaluate.CATEGORIES)
     if unknown:
-        print(f"unknown categories {sorted(unknown)}; known: {sorted(evaluate.CATEGORIES)}", file=sys.stderr)
-        return 2
+        raise UsageError(f"--categories: unknown {', '.join(sorted(unknown))}; known: "
+                         f"{', '.join(sorted(evaluate.CATEGORIES))}")
+    if args.out and os.path.isdir(args.out):
+        raise UsageError(f"--out {args.out!r} is a directory; give the path of the JSON report")
     tasks = {c: evaluate.heldout(c, args.n_tasks, args.seed) for c in categories}
-    client = models.client_from_spec(args.model, tasks=[t for ts in tasks.values() for t in ts])
+    client = _client(args.model, tasks=[t for ts in tasks.values() for t in ts])
     report = evaluate.evaluate(client, categories=categories, tasks=tasks, samples=args.samples,
-                               ks=[int(k) for k in args.k.split(",")], seed=args.seed, model=args.model,
+                               ks=args.k, seed=args.seed, model=args.model,
                                temperature=args.temperature, max_turns=args.max_turns)
     print(evaluate.table(report), file=sys.stderr)
     if args.out:
@@ -121,22 +175,22 @@ def main(argv=None) -> int:
     p = sub.add_parser("validate", help="the three checks on Harbor / Terminal-Bench task directories")
     p.add_argument("dirs", nargs="+")
     p.add_argument("--out", help="directory for one JSON report per task")
-    p.add_argument("--cuts", type=int, default=3, help="cut points through solve.sh")
-    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--cuts", type=_positive, default=3, help="cut points through solve.sh")
+    p.add_argument("--workers", type=_positive, default=1)
     p.add_argument("--network", choices=["none", "host"], default="none")
     p.set_defaults(fn=_validate)
     p = sub.add_parser("export", help="generated tasks as Harbor task directories")
     p.add_argument("family")
     p.add_argument("out")
-    p.add_argument("--n", type=int, default=10)
+    p.add_argument("--n", type=_positive, default=10)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--difficulty", type=int)
+    p.add_argument("--difficulty", type=int, choices=range(1, 6))
     p.set_defaults(fn=_export)
     p = sub.add_parser("generate", help="pattern -> env -> judge -> verifier -> checks -> registry")
     p.add_argument("out")
-    p.add_argument("--family", action="append", help="NAME=COUNT (repeatable)")
+    p.add_argument("--family", action="append", type=_family_count, help="NAME=COUNT (repeatable)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--workers", type=_positive, default=1)
     p.add_argument("--author", help="model that writes solutions (default: the pattern's own)")
     p.add_argument("--verifier", help="model that writes verifiers from the spec (default: the pattern's own)")
     p.add_argument("--judge", help="model asked whether each task is solvable")
@@ -144,25 +198,28 @@ def main(argv=None) -> int:
     p = sub.add_parser("run", help="one episode of a task directory")
     p.add_argument("task")
     p.add_argument("--model", default="oracle")
-    p.add_argument("--max-turns", type=int, default=8)
-    p.add_argument("--max-tokens", type=int, default=512)
+    p.add_argument("--max-turns", type=_positive, default=8)
+    p.add_argument("--max-tokens", type=_positive, default=512)
     p.set_defaults(fn=_run)
     p = sub.add_parser("eval", help="the evaluation matrix on held-out task sets")
     p.add_argument("--model", default="oracle")
     p.add_argument("--categories", default=",".join(evaluate.CATEGORIES))
-    p.add_argument("--n-tasks", type=int, default=4, help="held-out tasks per family")
-    p.add_argument("--samples", type=int, default=1)
-    p.add_argument("--k", default="1")
+    p.add_argument("--n-tasks", type=_positive, default=4, help="held-out tasks per family")
+    p.add_argument("--samples", type=_positive, default=1)
+    p.add_argument("--k", type=_ints, default=[1], help="comma-separated k of pass@k")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--max-turns", type=int, default=8)
+    p.add_argument("--max-turns", type=_positive, default=8)
     p.add_argument("--out", help="where to write the JSON report")
     p.set_defaults(fn=_eval)
     args = parser.parse_args(argv)
     try:
         return args.fn(args)
-    except (sandbox.SandboxError, models.ModelError, NotImplementedError, ValueError, FileNotFoundError) as err:
-        print(f"glmjax-envs {args.command}: {err}", file=sys.stderr)
+    except _INPUT_ERRORS as err:
+        command = sub.choices[args.command]
+        command.print_usage(sys.stderr)
+        message = "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        print(f"{command.prog}: error: {message}", file=sys.stderr)
         return 2
 
 
