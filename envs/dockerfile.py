@@ -84,7 +84,7 @@ def _instructions(text: str):
             i += 1
             if nxt.lstrip().startswith("#"):
                 continue
-            line = line.rstrip()[:-1] + "\n" + nxt
+            line = line.rstrip()[:-1] + nxt  # Docker drops the escape and the newline
         op, _, arg = line.strip().partition(" ")
         heredoc = re.match(r"\s*<<-?\s*(['\"]?)(\w+)\1\s*$", arg)
         if heredoc:

@@ -13,7 +13,8 @@ when the host already has what it asks for, and fails, naming what is missing, w
   (the interpreter running glmjax); a different pinned version is accepted and noted;
 - the stand-ins, run as ``apt-get`` (``apt``, ``apk``, ``yum``, ``dnf``), ``pip``, ``pip3``,
   ``uv`` and ``uvx`` inside the sandbox (``main``): installs are checked as above and otherwise do nothing; ``uvx TOOL``
-  and ``uv run CMD`` run the host's tool (``pytest`` is ``python3 -m pytest``).
+  and ``uv run CMD`` run the host's tool (``pytest`` is ``python3 -m pytest``; under ``uvx``,
+  as in its fresh environment, pytest loads only the plugins of the ``--with`` packages).
 
 ``build(root)`` writes the tool directory a sandbox mounts at ``/glmjax``: ``bin/`` (the
 stand-ins, ``python``/``python3`` for the host interpreter, ``pytest``), ``lib/`` (this
@@ -188,12 +189,18 @@ def _pip(args: list[str]) -> int:
     return subprocess.call([sys.executable, "-m", "pip", *args])
 
 
+def _python() -> str:
+    """The tool directory's ``python3`` (the host interpreter behind the sitecustomize guard)."""
+    shim = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bin", "python3")
+    return shim if os.path.isfile(shim) else sys.executable
+
+
 def _tool_argv(tool: str, args: list[str]) -> list[str]:
     name = re.split(r"[=<>@\[]", tool, maxsplit=1)[0]
     if name in ("pytest", "py.test"):
-        return [sys.executable, "-m", "pytest", *args]
+        return [_python(), "-m", "pytest", *args]
     if name in ("python", "python3") or re.fullmatch(r"python3\.\d+", name):
-        return [command("python3") or sys.executable, *args]
+        return [_python(), *args]
     found = command(name)
     if not found:
         raise FileNotFoundError(f"{name} is not available in this sandbox (no network to fetch it)")
@@ -239,11 +246,30 @@ def _uvx(args: list[str]) -> int:
         return 2
     if _check([python_package(w) for w in withs], "uvx"):
         return 1
+    if re.split(r"[=<>@\[]", rest[0], maxsplit=1)[0] in ("pytest", "py.test"):
+        _only_plugins(withs)
     try:
         return _exec(_tool_argv(rest[0], rest[1:]))
     except FileNotFoundError as err:
         print(f"uvx: {err}", file=sys.stderr)
         return 2
+
+
+def _only_plugins(requirements: list[str]) -> None:
+    """As in uvx's fresh environment, pytest loads only the plugins of the packages asked
+    for with ``--with`` (not every plugin the host has installed)."""
+    plugins = []
+    for requirement in requirements:
+        name = _REQUIREMENT.match(requirement).group(1)
+        try:
+            points = importlib.metadata.distribution(name).entry_points
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        plugins += [ep.value.split(":")[0] for ep in points if ep.group == "pytest11"]
+    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    if plugins:
+        extra = " ".join(f"-p {p}" for p in plugins)
+        os.environ["PYTEST_ADDOPTS"] = f"{os.environ.get('PYTEST_ADDOPTS', '')} {extra}".strip()
 
 
 def _uv(args: list[str]) -> int:

@@ -3,7 +3,7 @@
 import pytest
 
 from envs.cli import main
-from tests.test_envs_harbor import write_task
+from tests.harbor_util import write_task
 
 
 def _error(capsys, argv) -> str:

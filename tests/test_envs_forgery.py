@@ -36,6 +36,7 @@ FORGERIES = {
     "sitecustomize_on_pythonpath": ("python", f"mkdir -p /app/lib && printf '{PLANT}' > /app/lib/sitecustomize.py"),
     "sitecustomize_on_explicit_pythonpath": ("pythonpath", f"mkdir -p /app/lib && printf '{PLANT}' > "
                                                            "/app/lib/sitecustomize.py"),
+    "sitecustomize_under_uvx": ("uvx", f"mkdir -p /app/lib && printf '{PLANT}' > /app/lib/sitecustomize.py"),
     "fake_python3_on_path": ("python", "mkdir -p /app/bin && printf '#!/bin/sh\\nexit 0\\n' > /app/bin/python3 && "
                                        "chmod +x /app/bin/python3"),
     "fake_pytest_on_path": ("uvx", "mkdir -p /app/bin && for t in pytest uvx uv; do printf '#!/bin/sh\\nexit 0\\n' "

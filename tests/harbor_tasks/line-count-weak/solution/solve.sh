@@ -1,0 +1,2 @@
+#!/bin/bash
+python3 /solution/count.py /app/logs > /app/count.txt

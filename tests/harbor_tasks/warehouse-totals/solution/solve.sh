@@ -1,0 +1,3 @@
+#!/bin/bash
+set -euo pipefail
+python3 /solution/solve.py /app/inventory.csv /app/totals.json
