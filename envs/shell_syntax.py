@@ -57,8 +57,9 @@ class _Lexer:
     def __init__(self, text: str):
         self.text, self.i, self.heredocs = text, 0, []
 
-    def error(self, what: str) -> ShellSyntaxError:
-        line = self.text.count("\n", 0, self.i) + 1
+    def error(self, what: str, at: int) -> ShellSyntaxError:
+        """``what`` went wrong with the construct that starts at offset ``at``."""
+        line = self.text.count("\n", 0, at) + 1
         return ShellSyntaxError(f"line {line}: {what}")
 
     def skip_blank(self) -> None:
@@ -89,7 +90,7 @@ class _Lexer:
 
     def balanced(self, open_: str, close: str) -> None:
         """From just past ``open_`` to just past its matching ``close`` (quotes respected)."""
-        depth, t = 1, self.text
+        depth, t, start = 1, self.text, self.i - len(open_)
         while self.i < len(t):
             c = t[self.i]
             if c == "\\":
@@ -110,16 +111,17 @@ class _Lexer:
                     return
             else:
                 self.i += 1
-        raise self.error(f"unterminated {open_}")
+        raise self.error(f"unterminated {open_}", start)
 
     def single_quoted(self) -> str:
         end = self.text.find("'", self.i + 1)
         if end < 0:
-            raise self.error("unterminated single quote")
+            raise self.error("unterminated single quote", self.i)
         value, self.i = self.text[self.i + 1:end], end + 1
         return value
 
     def backticks(self) -> None:
+        start = self.i - 1
         while self.i < len(self.text):
             c = self.text[self.i]
             if c == "\\":
@@ -129,7 +131,7 @@ class _Lexer:
                 return
             else:
                 self.i += 1
-        raise self.error("unterminated backquote")
+        raise self.error("unterminated backquote", start)
 
     def dollar(self) -> str:
         """An expansion starting at ``$``, returned as written."""
@@ -148,7 +150,7 @@ class _Lexer:
         return t[start:self.i]
 
     def double_quoted(self) -> str:
-        out, t = [], self.text
+        out, t, start = [], self.text, self.i - 1
         while self.i < len(t):
             c = t[self.i]
             if c == '"':
@@ -168,7 +170,7 @@ class _Lexer:
             else:
                 out.append(c)
                 self.i += 1
-        raise self.error("unterminated double quote")
+        raise self.error("unterminated double quote", start)
 
     def word(self) -> str:
         out, t = [], self.text
