@@ -4,7 +4,14 @@
     sandbox.py    Sandbox: isolated commands (own uid, rlimits, PID/network/mount namespaces)
     isolation.py  what the sandboxed child does before exec; probe() of what the kernel allows
     launcher.py   the helper processes that fork sandboxed commands (never the caller)
+    cgroup.py     one memory cgroup per sandbox: a cap on all its processes together
+    tree.py       walk, hash, read and remove directory trees of any depth
+    host_tools.py what the host offers in place of an image's packages; apt/pip/uv/uvx stand-ins
+    shell_syntax.py  the simple commands of a shell script, found without running it
+    installs.py   a script's install steps, resolved against the host
+    dockerfile.py a task's Dockerfile, emulated without Docker
     harbor.py     HarborTask; Harbor / Terminal-Bench directories: load, run locally, export
+    changes.py    what a run changed in /app, and states that apply part of it
     shell.py      ShellEnv: multi-turn episodes of a HarborTask in a Sandbox
     validate.py   the three checks (oracle / no-op / unfinished), JSON reports
     families/     procedural text tasks and sandboxed task patterns; make_tasks(...)

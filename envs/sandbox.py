@@ -41,17 +41,32 @@ What is enforced, and how (``probe()`` says which of these this machine allows):
   (``/tmp``, ``/var/tmp``, ``/dev/shm``) stay writable and world-readable files
   readable. Virtual paths (``/app`` ...) are then the host paths that ``path()``
   returns, and scripts are rewritten with ``rewrite()``.
+- **Memory of all processes together** (``Isolation.memory``): each sandbox has its own
+  memory cgroup (``envs/cgroup.py``, v2 or v1) capped at ``Limits.memory_bytes``; every
+  command joins it before it drops root, and a command whose processes pass the cap
+  between them is killed by the kernel (``killed="memory_limit"``). Without a cgroup
+  (not root, or no memory controller) only ``RLIMIT_AS`` holds: ``processes`` x
+  ``memory_bytes`` is the bound, and ``describe()`` says ``memory=per-process``.
+- **Tools.** ``/glmjax`` holds what a task image would have installed
+  (``envs/host_tools.py``): ``python3``/``python`` (the host interpreter, with pytest),
+  ``pytest``, and stand-ins for ``apt-get``, ``pip``, ``uv`` and ``uvx`` that resolve
+  installs against the host; its ``bin/`` is first on PATH. The host interpreter's
+  prefix is mounted read-only at its own path so that it runs inside the chroot.
 - **Environment.** Commands see only ``PATH``, ``HOME=/tmp``, ``TMPDIR=/tmp``, a UTF-8
   locale, ``PYTHONDONTWRITEBYTECODE=1``, ``PYTHONHASHSEED=0``, ``APP_DIR``, ``LOGS_DIR``,
   ``TEST_DIR`` and what the caller passes.
+- **Any tree.** ``snapshot``, ``reset_dir`` and ``close`` walk and remove directories
+  through directory descriptors (``envs/tree.py``): a tree thousands of levels deep, or
+  with paths past ``PATH_MAX``, is hashed and removed like any other, and ``close``
+  releases the sandbox's uid even when a step before it fails.
 
 Commands are forked by small helper processes (``envs/launcher.py``), never by the caller:
 a fork's cost grows with the forking process's memory, and a multithreaded process (a
 trainer running JAX) must not run a ``preexec_fn`` in a forked child.
 
-Not enforced: total memory of all processes together (``RLIMIT_AS`` is per process) and
-total disk use inside the sandbox directory (``RLIMIT_FSIZE`` caps each file). Without
-root there is no dedicated uid, so the process limit counts all of the user's processes.
+Not enforced: total disk use inside the sandbox directory (``RLIMIT_FSIZE`` caps each
+file), and total memory where no cgroup can be made (above). Without root there is no
+dedicated uid, so the process limit counts all of the user's processes.
 """
 
 from __future__ import annotations
