@@ -80,19 +80,24 @@ class Changes:
     def ops(self) -> list[Op]:
         return [op for g in self.groups for op in g]
 
-    def partial_states(self) -> list[tuple[str, list[Op]]]:
+    def partial_states(self) -> list[tuple[str, list[Op], list[str]]]:
+        """(name, the ops that make the state, the paths it leaves out or cuts short)."""
         if not self.groups or self.too_large:
             return []
         *earlier, last = self.groups
         states = []
         before = [op for g in earlier for op in g]
+        missing = lambda ops: sorted({op.path for op in ops if op.kind != "mkdir"})  # noqa: E731
         if any(op.kind != "mkdir" for op in before):
-            states.append(("without the last write", before))
+            states.append(("without the last write", before, missing(last)))
         cut = [_truncated(op) for op in last]
         if any(c is not op for c, op in zip(cut, last)):
-            states.append(("the last write cut short", before + cut))
+            states.append(("the last write cut short", before + cut,
+                           sorted(op.path for c, op in zip(cut, last) if c is not op)))
         if len(self.groups) >= 4:
-            states.append(("halfway", [op for g in self.groups[: len(self.groups) // 2] for op in g]))
+            half = len(self.groups) // 2
+            states.append(("halfway", [op for g in self.groups[:half] for op in g],
+                           missing([op for g in self.groups[half:] for op in g])))
         return states
 
 

@@ -176,8 +176,8 @@ def _unfinished(task: HarborTask, oracle: _Run, noop: _Run, cuts: int, limits: L
     if oracle.change is not None and oracle.change.too_large:
         probes.append({"kind": "state", "skipped": f"the oracle changed more than {changes.MAX_BYTES} bytes"})
     elif oracle.change is not None:
-        runs += [({"kind": "state", "name": name, "paths": sorted({op.path for op in ops})[:20]}, None, ops)
-                 for name, ops in oracle.change.partial_states()]
+        runs += [({"kind": "state", "name": name, "left_out_or_cut": paths[:20]}, None, ops)
+                 for name, ops, paths in oracle.change.partial_states()]
     runs += [({"kind": "partial", "lines": p.count("\n")}, p, ()) for p in task.partials]
     for probe_info, script, ops in runs:
         run = _episode(task, script, limits, sandbox_args, ops=ops)
@@ -193,6 +193,11 @@ def _unfinished(task: HarborTask, oracle: _Run, noop: _Run, cuts: int, limits: L
                   "different state, and there are no partial solutions")
     else:
         detail = f"{failed} of {len(ran_probes)} unfinished runs scored > 0"
+        passed_anyway = [p for p in ran_probes if not is_zero(p["reward"]) and p["kind"] == "state"]
+        if passed_anyway:
+            p = passed_anyway[0]
+            detail += (f"; e.g. {p['name']} ({', '.join(p['left_out_or_cut'][:3])}) scored {p['reward']}: "
+                       "the verifier does not check that part of the oracle's work")
     return Check("unfinished", bool(ran_probes) and failed == 0, detail, probes)
 
 

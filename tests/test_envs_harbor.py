@@ -38,7 +38,7 @@ def test_good_verifier_passes_all_three(tmp_path):
     cuts = [p for p in unfinished if p["kind"] == "cut" and "reward" in p]
     states = [p for p in unfinished if p["kind"] == "state" and "reward" in p]
     assert len(cuts) == 2  # after alpha, after beta
-    assert [p["name"] for p in states] == ["the last write cut short"] and states[0]["paths"] == ["result.txt"]
+    assert [p["name"] for p in states] == ["the last write cut short"] and states[0]["left_out_or_cut"] == ["result.txt"]
 
 
 def test_a_one_command_oracle_is_checked_through_its_effect_on_the_files(tmp_path):
