@@ -8,6 +8,10 @@ trains `train.steps` steps (DSA stage `train.indexer_stage`, default "sparse": t
 indexer learns its KL beside the LM loss), prints the held-out loss before and after,
 greedily continues a few held-out prompts and counts the generated tokens that obey the
 corpus's rule, then writes `summary.json` and the checkpoint (`model/`) to the workdir.
+
+A mistyped command line (a missing config file, an unknown or ill-typed override, a model
+field ModelConfig rejects, a workdir that cannot be a directory) ends before any work with
+the usage line and one `glmjax-train: error: ...` naming what is wrong, exit status 2.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import pathlib
 import time
 
@@ -28,24 +33,70 @@ EVAL_SEQUENCES = 64
 PROMPTS, PROMPT_LEN, NEW_TOKENS = 4, 8, 32
 
 
-def _parse(argv):
-    parser = argparse.ArgumentParser(prog="glmjax-train", description=__doc__.splitlines()[0], allow_abbrev=False)
+def make_parser(description: str = __doc__.splitlines()[0]) -> argparse.ArgumentParser:
+    """The `glmjax-train` command line: --config, --workdir and `--config.a.b=value` overrides."""
+    parser = argparse.ArgumentParser(prog="glmjax-train", description=description, allow_abbrev=False)
     parser.add_argument("--config", required=True, help="a config file, optionally `path:arg` for get_config(arg)")
-    parser.add_argument("--workdir", required=True, help="where summary.json and model/ are written")
+    parser.add_argument("--workdir", required=True, help="where summary.json, metrics and checkpoints are written")
+    return parser
+
+
+def job_config(parser: argparse.ArgumentParser, argv=None, check=None):
+    """(config, args) from a command line, or `parser.error` (exit status 2) naming the
+    argument, file or field that is wrong: a missing config file, a get_config that rejects
+    its `path:arg`, an unknown or ill-typed override, a model field ModelConfig rejects, a
+    ValueError from `check(config)` (the job's own checks), a workdir that is a file or
+    cannot be created. The workdir is created only once all of that passes."""
     args, overrides = parser.parse_known_args(argv)
     bad = [o for o in overrides if not (o.startswith("--config.") and "=" in o)]
     if bad:
         parser.error(f"unrecognised arguments {bad}: overrides are written --config.a.b=value")
-    return args, overrides
+    path, _, arg = args.config.partition(":")
+    try:
+        cfg = presets.load_config(path, overrides, arg or None)
+    except FileNotFoundError as err:
+        parser.error(f"--config: {err}")
+    except ValueError as err:  # get_config's own rejections and the overrides'
+        parser.error(f"--config {args.config}: {err}")
+    if "model" not in cfg:
+        parser.error(f"--config {args.config}: the config has no `model` section")
+    try:
+        presets.model_config_from(cfg)
+    except (TypeError, ValueError) as err:
+        parser.error(f"--config {args.config}: {err}")
+    try:
+        if check is not None:
+            check(cfg)
+    except ValueError as err:
+        parser.error(f"--config {args.config}: {err}")
+    if os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
+        parser.error(f"--workdir {args.workdir} is a file, not a directory")
+    try:
+        os.makedirs(args.workdir, exist_ok=True)
+    except OSError as err:
+        parser.error(f"--workdir {args.workdir} cannot be created: {err.strerror or err}")
+    if not os.access(args.workdir, os.W_OK | os.X_OK):
+        parser.error(f"--workdir {args.workdir} is not writable")
+    return cfg, args
 
 
 def train_main(argv=None) -> dict:
-    args, overrides = _parse(argv)
-    path, _, arg = args.config.partition(":")
-    cfg = presets.load_config(path, overrides, arg or None)
+    """The job for a command line (the module docstring)."""
+    cfg, args = job_config(make_parser(), argv, check=check_config)
+    return train(cfg, args.workdir)
+
+
+def check_config(cfg) -> None:
+    """Raises ValueError when the config has no `train` section."""
+    if "train" not in cfg:
+        raise ValueError("the config has no `train` section (steps, batch_size, seq_len, ...)")
+
+
+def train(cfg, workdir: str) -> dict:
+    """Trains the config's model on the synthetic corpus; returns the summary."""
     model_cfg, tc = presets.model_config_from(cfg), cfg.train
     stage = tc.get("indexer_stage", "sparse")
-    workdir = pathlib.Path(args.workdir)
+    workdir = pathlib.Path(workdir)
     workdir.mkdir(parents=True, exist_ok=True)
 
     corpus = train.synthetic_corpus(model_cfg.vocab_size, tc.seq_len, tc.steps * tc.batch_size + EVAL_SEQUENCES,

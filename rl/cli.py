@@ -9,13 +9,18 @@ A config with an `rl` section runs the RL loop (rl/trainer.py); one with an `opd
 the on-policy distillation job (rl/opd_trainer.py); one with only `model` and `train`
 trains the language model (glmjax/cli.py). `--config.a.b=value` overrides a field.
 
+Bad input ends before any work, with the usage line and one `glmjax-train: error: ...`
+naming the file, override, field or workdir that is wrong (exit status 2): everything
+glmjax/cli.py checks, the job's own config checks (`trainer.check_config`,
+`opd_trainer.check_config`), and a workdir whose checkpoints all fail to read. Tracebacks
+are left for bugs.
+
 Compiled programs are kept in a persistent JAX cache ($GLMJAX_JAX_CACHE, default
 ~/.cache/glmjax/jax), so a second run of a job skips the compiles of the first.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
 import sys
@@ -23,7 +28,7 @@ import sys
 import jax
 
 from glmjax import cli as lm_cli
-from glmjax import presets
+from rl.checkpoint import UnreadableCheckpoints
 
 CACHE = os.environ.get("GLMJAX_JAX_CACHE", os.path.expanduser("~/.cache/glmjax/jax"))
 
@@ -42,27 +47,33 @@ def main(argv=None) -> int:
 
 def run(argv=None) -> dict:
     """The job the arguments name; returns its summary."""
-    parser = argparse.ArgumentParser(prog="glmjax-train", description=__doc__.splitlines()[0], allow_abbrev=False)
-    parser.add_argument("--config", required=True, help="a config file, optionally `path:arg` for get_config(arg)")
-    parser.add_argument("--workdir", required=True)
-    args, overrides = parser.parse_known_args(argv)
-    bad = [o for o in overrides if not (o.startswith("--config.") and "=" in o)]
-    if bad:
-        parser.error(f"unrecognised arguments {bad}: overrides are written --config.a.b=value")
+    parser = lm_cli.make_parser(__doc__.splitlines()[0])
+    cfg, args = lm_cli.job_config(parser, argv, check=lambda cfg: _job(cfg).check_config(cfg))
     use_compile_cache()
-    path, _, arg = args.config.partition(":")
-    cfg = presets.load_config(path, overrides, arg or None)
+    job = _job(cfg)
+    if job is lm_cli:
+        return lm_cli.train(cfg, args.workdir)
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        return job.run(cfg, args.workdir)
+    except UnreadableCheckpoints as err:
+        parser.error(f"--workdir {args.workdir}: {err}; move them aside to start afresh")
+
+
+def _job(cfg):
+    """The module of the config's job: its `check_config(cfg)` raises ValueError on bad fields."""
     if "opd" in cfg:
-        logging.basicConfig(level=logging.WARNING)
         from rl import opd_trainer
 
-        return opd_trainer.run(cfg, args.workdir)
-    if "rl" not in cfg:
-        return lm_cli.train_main(argv)
-    logging.basicConfig(level=logging.WARNING)
-    from rl import trainer
+        return opd_trainer
+    if "rl" in cfg:
+        from rl import trainer
 
-    return trainer.run(cfg, args.workdir)
+        return trainer
+    if "train" in cfg:
+        return lm_cli
+    raise ValueError("the config has none of the sections `rl` (RL job), `opd` (distillation) or `train` "
+                     "(language model)")
 
 
 if __name__ == "__main__":

@@ -182,13 +182,26 @@ def train_batch(learner: Learner, trajectories, teacher, domain_ids, cfg) -> dic
     return metrics
 
 
+def check_config(cfg) -> None:
+    """Raises ValueError naming the first field of a distillation config that the job cannot
+    run, before any model trains."""
+    if cfg.opd.distribution not in (*opd.DISTRIBUTIONS, "sampled"):
+        raise ValueError(f"opd.distribution={cfg.opd.distribution!r} is invalid: expected one of "
+                         f"{(*opd.DISTRIBUTIONS, 'sampled')}")
+    for name, t in sorted(cfg.teachers.items()):
+        if t.family not in families.TEXT:
+            raise ValueError(f"teachers.{name}.family={t.family!r} is not a text task family: expected one of "
+                             f"{sorted(families.TEXT)}")
+    if cfg.task.max_len > cfg.model.max_position_embeddings:
+        raise ValueError(f"task.max_len={cfg.task.max_len} exceeds model.max_position_embeddings="
+                         f"{cfg.model.max_position_embeddings}")
+
+
 def run(cfg, workdir: str) -> dict:
+    check_config(cfg)
     os.makedirs(workdir, exist_ok=True)
     start = time.time()
     o = cfg.opd
-    if o.distribution not in (*opd.DISTRIBUTIONS, "sampled"):
-        raise ValueError(f"opd.distribution={o.distribution!r} is invalid: expected one of "
-                         f"{(*opd.DISTRIBUTIONS, 'sampled')}")
     student = build_student(cfg, workdir)
     registry = build_teachers(cfg, workdir, student)
     heldout = heldout_tasks(cfg)

@@ -42,7 +42,7 @@ from rl.checkpoint import LoopCheckpointer
 from rl.compaction import Compaction, Rollout, oracle_segments
 from rl.driver import Driver, Request
 from rl.engine import GlmEngine
-from rl.learner import Learner, ValueModel
+from rl.learner import ALGORITHMS, Learner, ValueModel
 from rl.weights import WeightStore
 
 log = logging.getLogger(__name__)
@@ -142,10 +142,37 @@ class TaskStream:
         self._it.set_state(state)
 
 
+def check_config(cfg) -> None:
+    """Raises ValueError naming the first field of an RL config that the job cannot run, so
+    that a mistyped value stops the job before the base model trains rather than after."""
+    rl, task = cfg.rl, cfg.task
+    if task.family not in families.TEXT:
+        raise ValueError(f"task.family={task.family!r} is not a text task family: expected one of "
+                         f"{sorted(families.TEXT)}")
+    if task.difficulty is not None and not 1 <= task.difficulty <= 5:
+        raise ValueError(f"task.difficulty={task.difficulty!r} is invalid: expected 1..5, or None for all")
+    if task.max_len > cfg.model.max_position_embeddings:
+        raise ValueError(f"task.max_len={task.max_len} exceeds model.max_position_embeddings="
+                         f"{cfg.model.max_position_embeddings}")
+    if rl.algorithm not in ALGORITHMS:
+        raise ValueError(f"rl.algorithm={rl.algorithm!r} is invalid: expected one of {ALGORITHMS}")
+    group = rl.get("group_size", 1)
+    if group < 1 or rl.batch_size < 1 or rl.batch_size % group:
+        raise ValueError(f"rl.batch_size={rl.batch_size} must be a positive multiple of rl.group_size={group}")
+    if group == 1 and rl.algorithm in ("grpo", "dapo", "gspo"):
+        raise ValueError(f"rl.algorithm={rl.algorithm!r} compares rollouts of one prompt: set rl.group_size >= 2")
+    if rl.eta < 0:
+        raise ValueError(f"rl.eta={rl.eta} is invalid: expected >= 0 (0 = synchronous)")
+    if rl.slots < 1:
+        raise ValueError(f"rl.slots={rl.slots} is invalid: expected >= 1")
+    _compaction(cfg)  # Compaction validates its own fields
+
+
 def run(cfg, workdir: str, make_rollout=None) -> dict:
     """The job (module docstring). `make_rollout(task, rollout_id, compaction)` -> Rollout
     replaces the default (the task's prompt, the config's sampling), e.g. for benchmarks
     that fix the generation lengths."""
+    check_config(cfg)
     os.makedirs(workdir, exist_ok=True)
     start = time.time()
     rl = cfg.rl
@@ -199,8 +226,6 @@ def run(cfg, workdir: str, make_rollout=None) -> dict:
     step, rollouts, rng_seed = learner.steps, before.get("rollouts", 0), cfg.seed * 1_000_003
     group = rl.get("group_size", 1)  # GRPO-style baselines sample G rollouts per prompt
     yields = rl.get("generation_yields", True)
-    if rl.batch_size % group:
-        raise ValueError(f"rl.batch_size={rl.batch_size} must be a multiple of rl.group_size={group}")
     rows = rl.batch_size * (compaction.max_segments if compaction else 1)  # one learner shape
     bar = tqdm(total=rl.steps, initial=step, desc="SAO", mininterval=1.0)
     busy, last_step_at = before.get("learner_seconds", 0.0), time.time()
