@@ -15,6 +15,10 @@ that hits a stop id or its token budget (or is cancelled) gives its slot back at
 Every step reads the WeightStore's newest version; each token carries the version that
 produced it. Drive it either with `step` / `run_until_idle` from one thread or with
 `start()`, not both.
+What a server reports about it is read, not pushed: `queued` and `active` (requests
+waiting and slots in use), `stats` (counters: generate steps, tokens handed to requests,
+prefill and reused prompt tokens, accepted drafts) and `acceptance` (how often a request's
+step accepted 0, 1, ... num_draft drafts); rl/serve.py turns them into metrics.
 The learner must not donate (`donate_argnums`) parameter buffers it has published: the
 engine may still be reading them.
 """
@@ -134,6 +138,8 @@ class Driver:
         self.state = engine.init_decode_state()
         self.prefixes = PrefixCache(prefix_cache_size)
         self.stats: collections.Counter = collections.Counter()
+        # acceptance[k]: (request, generate step) pairs that accepted k MTP drafts, k = 0..num_draft
+        self.acceptance: list[int] = [0] * (engine.num_draft + 1)
         # (start, end, busy slots) of each step, prefill included: for utilisation figures
         self.trace: list[tuple[float, float, int]] | None = [] if record_trace else None
         self._slots: list[_Slot | None] = [None] * engine.max_concurrent_decodes
@@ -151,7 +157,22 @@ class Driver:
     @property
     def load(self) -> int:
         """Requests queued or decoding."""
-        return len(self._queue) + sum(s is not None for s in self._slots)
+        return self.queued + self.active
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a slot."""
+        return len(self._queue)
+
+    @property
+    def active(self) -> int:
+        """Slots holding a request."""
+        return sum(s is not None for s in self._slots)
+
+    @property
+    def running(self) -> bool:
+        """Whether the background thread (`start`) is running."""
+        return self._thread is not None
 
     def validate(self, request: Request) -> None:
         """Raises ValueError naming the request field that the engine cannot serve."""
@@ -207,6 +228,7 @@ class Driver:
             r = result.get_result_at_slot(i)
             n = int(r.valid[0].sum())
             self.stats["accepted_drafts"] += n - 1
+            self.acceptance[n - 1] += 1
             self._take(i, r.tokens[0, :n], r.log_probs[0, :n], r.versions[0, :n])
         if self.trace is not None:
             self.trace.append((start, time.perf_counter(), len(busy)))

@@ -9,6 +9,7 @@ import pytest
 from scipy import stats
 
 import glmjax
+from rl import serve
 from rl.driver import Driver, Request
 from rl.engine import GlmEngine
 from rl.sampling import SamplingParams
@@ -38,7 +39,14 @@ def test_speculative_greedy_equals_plain_greedy(model, mode):
         assert h.result().tokens == greedy_reference(model, p, n)
         assert len(h.result().log_probs) == n
     assert driver.stats["steps"] <= sum(budgets)
-    assert driver.stats["accepted_drafts"] >= 0
+    # acceptance[k]: the (request, step) pairs that accepted k drafts, what glmjax-serve exports
+    assert len(driver.acceptance) == 4 and sum(driver.acceptance) == driver.stats["busy_slot_steps"]
+    assert sum(k * n for k, n in enumerate(driver.acceptance)) == driver.stats["accepted_drafts"]
+    registry = serve.Metrics(driver).registry
+    for k in range(4):
+        assert registry.get_sample_value("glmjax_serve_mtp_accepted_drafts_bucket", {"le": f"{k}.0"}) == \
+            sum(driver.acceptance[:k + 1])
+    assert registry.get_sample_value("glmjax_serve_mtp_accepted_drafts_sum") == driver.stats["accepted_drafts"]
 
 
 def test_speculative_with_a_perfect_drafter_accepts_every_draft(model):
