@@ -21,8 +21,10 @@ rewritten to the sandbox's host paths (``Sandbox.rewrite``) and exported as ``$A
 steps in it, in the tests' and in the solution's scripts are resolved against the host
 (``envs/installs.py``): what the host has satisfies them and is noted in ``installs``;
 what it lacks makes the task *unsupported* (reported with the reason, never silently
-passed), as do a multi-service compose file, a prebuilt image, a multi-step task
-(``[[steps]]``) and a ``RUN`` that fails locally. A malformed ``task.toml`` raises
+passed), as do a multi-service compose file, a prebuilt image and a ``RUN`` that fails
+locally. A multi-step task (``[[steps]]``, each step in ``steps/<name>/`` with its own
+``instruction.md``, ``tests/`` over the task's and ``solution/``) runs its steps in turn
+in one environment (``HarborTask.steps``). A malformed ``task.toml`` raises
 ``HarborFormatError`` naming the file, the field and the type it must have.
 
 The verifier cannot be touched by the agent: before the tests run, ``/tmp`` (also
@@ -77,7 +79,13 @@ class HarborTask(Task):
     ``solution_files``: the rest of ``solution/`` (``solve.py``, data ...), copied in beside
     it; ``tests``: the tests/ directory; ``setup``: commands run before the agent (the
     Dockerfile's RUN lines); ``partials``: half-done solutions (each must score 0);
-    ``installs``: how each install step was resolved; ``notes``: what the emulation left out."""
+    ``installs``: how each install step was resolved; ``notes``: what the emulation left out.
+
+    A multi-step task (Harbor's ``[[steps]]``) has ``steps``: one task each (its own
+    instruction, tests layered over the task's, solution, timeouts and ``min_reward``: a
+    reward below it ends the run), run in turn in the one environment this task sets up;
+    its reward is the ``step_reward`` ("mean" over all steps, a step not reached counting
+    0, or "final": the last step's) of theirs (``trial_reward``)."""
 
     files: Mapping[str, str | bytes] = dataclasses.field(default_factory=dict)
     solution: str | None = None
@@ -94,6 +102,14 @@ class HarborTask(Task):
     source: str | None = None
     installs: tuple[Mapping, ...] = ()
     notes: tuple[str, ...] = ()
+    steps: tuple["HarborTask", ...] = ()
+    step_reward: str = "mean"
+    min_reward: float | None = None
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.step_reward not in ("mean", "final"):
+            raise ValueError(f"HarborTask.step_reward must be 'mean' or 'final', got {self.step_reward!r}")
 
     def replace(self, **changes) -> "HarborTask":
         return dataclasses.replace(self, **changes)
@@ -111,6 +127,18 @@ class Verdict:
 
     def detail(self, tail: int = 600) -> str:
         return f"reward {self.reward} from {self.source} {self.result.summary()}: ...{self.result.output[-tail:]}"
+
+
+def trial_reward(task: HarborTask, rewards: list[float]) -> float:
+    """A multi-step task's reward from its steps' (those run, in order; see ``HarborTask``)."""
+    if task.step_reward == "final":
+        return rewards[-1] if len(rewards) == len(task.steps) else 0.0
+    return sum(rewards) / len(task.steps)
+
+
+def stops_after(step: HarborTask, reward: float) -> bool:
+    """Whether a multi-step run ends after ``step`` scored ``reward`` (below its ``min_reward``)."""
+    return step.min_reward is not None and reward < step.min_reward
 
 
 # ----- running ---------------------------------------------------------------------------------
@@ -373,11 +401,7 @@ def _load_harbor(path: str) -> HarborTask:
     image = _image(path, envdir)
     unsupported = image.unsupported
     environment = config.get("environment", {})
-    if steps:
-        names = ", ".join(repr(s.get("name", "?")) for s in steps)
-        unsupported = (f"a multi-step task ({len(steps)} [[steps]]: {names}): each step's instruction, tests and "
-                       "solution run in turn in one environment, which glmjax's episodes and checks do not do")
-    elif os.path.isfile(os.path.join(envdir, "docker-compose.yaml")):
+    if os.path.isfile(os.path.join(envdir, "docker-compose.yaml")):
         unsupported = "environment/docker-compose.yaml: multi-container environments need Docker"
     elif environment.get("docker_image") and not os.path.isfile(os.path.join(envdir, "Dockerfile")):
         unsupported = f"prebuilt image {environment['docker_image']!r} needs Docker"
@@ -393,18 +417,73 @@ def _load_harbor(path: str) -> HarborTask:
     solve = solution_files.pop("solve.sh", None)
     verifier = config.get("verifier", {})
     name = extra.get("id") or config.get("task", {}).get("name")
+    task_id = _task_id(path, {"id": name} if name else {})
+    agent_timeout = float(config.get("agent", {}).get("timeout_sec", 120.0))
+    verifier_timeout = float(verifier.get("timeout_sec", 120.0))
+    workdir = environment.get("workdir", image.workdir)
+    loaded_steps = ()
+    if steps:
+        loaded_steps, step_installs, bad = _load_steps(path, config, task_id, tests, agent_timeout, verifier_timeout,
+                                                       workdir, {**image.env, **verifier.get("env", {})})
+        solution_installs, unsupported = solution_installs + step_installs, unsupported or bad
+    strategy = config.get("multi_step_reward_strategy", "mean")
+    if strategy not in ("mean", "final"):
+        raise HarborFormatError(f"{path}/task.toml: multi_step_reward_strategy must be \"mean\" or \"final\", "
+                                f"got {strategy!r}")
     return HarborTask(
-        id=_task_id(path, {"id": name} if name else {}), instruction=instruction or "",
+        id=task_id, instruction=instruction or "", steps=loaded_steps, step_reward=strategy,
         domain=extra.get("domain", meta.get("category", "terminal")),
         difficulty=extra.get("difficulty", _difficulty(meta.get("difficulty", "medium"))),
         metadata={**meta, **extra.get("metadata", {})}, files=image.files,
         solution=solve.decode() if solve is not None else None, solution_files=solution_files, tests=tests,
         partials=partials, setup=tuple(image.setup), env={**image.env, **verifier.get("env", {})},
-        agent_timeout=float(config.get("agent", {}).get("timeout_sec", 120.0)),
-        verifier_timeout=float(verifier.get("timeout_sec", 120.0)),
-        workdir=environment.get("workdir", image.workdir), unsupported=unsupported, source=os.path.abspath(path),
+        agent_timeout=agent_timeout, verifier_timeout=verifier_timeout,
+        workdir=workdir, unsupported=unsupported, source=os.path.abspath(path),
         installs=tuple(i.to_dict() for i in image.installs + test_installs + solution_installs),
         notes=tuple(image.notes))
+
+
+def _load_steps(path: str, config: dict, task_id: str, task_tests: dict, agent_timeout: float,
+                verifier_timeout: float, workdir: str, env: dict):
+    """The ``[[steps]]`` of a task: (steps, their install steps, unsupported or None)."""
+    where, out, found, unsupported = os.path.join(path, "task.toml"), [], [], None
+    for i, entry in enumerate(config["steps"]):
+        name = entry.get("name")
+        if not isinstance(name, str) or not name:
+            raise HarborFormatError(f"{where}: [[steps]] number {i + 1} needs a name (a string), got {name!r}")
+        for table in ("agent", "verifier"):
+            if not isinstance(entry.get(table, {}), dict):
+                raise HarborFormatError(f"{where}: [steps.{table}] of step {name!r} must be a table")
+            timeout = entry.get(table, {}).get("timeout_sec")
+            if timeout is not None and (not isinstance(timeout, _NUMBER) or isinstance(timeout, bool) or timeout <= 0):
+                raise HarborFormatError(f"{where}: [steps.{table}] timeout_sec of step {name!r} must be a number "
+                                        f"of seconds > 0, got {timeout!r}")
+        min_reward = entry.get("min_reward")
+        if isinstance(min_reward, dict):
+            unsupported = unsupported or f"step {name!r}: a min_reward per reward key is not supported"
+            min_reward = None
+        elif min_reward is not None and (not isinstance(min_reward, _NUMBER) or isinstance(min_reward, bool)):
+            raise HarborFormatError(f"{where}: min_reward of step {name!r} must be a number, got {min_reward!r}")
+        root = os.path.join(path, "steps", name)
+        instruction = _read(os.path.join(root, "instruction.md"))
+        if instruction is None:
+            raise FileNotFoundError(f"{path}: steps/{name}/instruction.md is missing")
+        step_tests = read_tree(os.path.join(root, "tests"))
+        tests = {**task_tests, **step_tests}  # the step's own files win, as Harbor uploads them last
+        if "test.sh" not in tests:
+            raise FileNotFoundError(f"{path}: neither steps/{name}/tests/test.sh nor tests/test.sh exists")
+        solution_files = read_tree(os.path.join(root, "solution"))
+        for files, kind in ((step_tests, "tests"), (solution_files, "solution")):
+            more, bad = _scan_scripts(files, f"steps/{name}/{kind}", path)
+            found, unsupported = found + more, unsupported or bad
+        solve = solution_files.pop("solve.sh", None)
+        out.append(HarborTask(
+            id=_task_id(f"{task_id}.{name}", {}), instruction=instruction, domain="step", tests=tests,
+            solution=solve.decode() if solve is not None else None, solution_files=solution_files, env=env,
+            agent_timeout=float(entry.get("agent", {}).get("timeout_sec", agent_timeout)),
+            verifier_timeout=float(entry.get("verifier", {}).get("timeout_sec", verifier_timeout)),
+            workdir=workdir, min_reward=None if min_reward is None else float(min_reward)))
+    return tuple(out), found, unsupported
 
 
 def _yaml(text: str) -> dict:
@@ -512,6 +591,23 @@ def export_task(task: HarborTask, out_dir: str) -> str:
               "[verifier]", f"timeout_sec = {float(task.verifier_timeout)!r}", "",
               "[agent]", f"timeout_sec = {float(task.agent_timeout)!r}", "", "[environment]", "cpus = 1",
               "memory_mb = 2048", ""]
+    if task.steps:
+        lines.insert(1, f"multi_step_reward_strategy = {_toml_value(task.step_reward)}")
+    for step in task.steps:
+        name = step.id.split(".", 1)[1] if step.id.startswith(task.id + ".") else step.id
+        lines += ["[[steps]]", f"name = {_toml_value(name)}"]
+        lines += [f"min_reward = {step.min_reward!r}"] if step.min_reward is not None else []
+        lines += ["", "[steps.agent]", f"timeout_sec = {float(step.agent_timeout)!r}", "",
+                  "[steps.verifier]", f"timeout_sec = {float(step.verifier_timeout)!r}", ""]
+        base = os.path.join(root, "steps", name)
+        _write(os.path.join(base, "instruction.md"), step.instruction)
+        if step.solution is not None:
+            _write(os.path.join(base, "solution", "solve.sh"), step.solution)
+        for rel, data in step.solution_files.items():
+            _write(os.path.join(base, "solution", rel), data)
+        for rel, data in step.tests.items():
+            if task.tests.get(rel) != data:
+                _write(os.path.join(base, "tests", rel), data)
     _write(os.path.join(root, "task.toml"), "\n".join(lines))
     _write(os.path.join(root, "instruction.md"), task.instruction)
     docker = ["FROM python:3.11-slim", f"WORKDIR {task.workdir}"]

@@ -8,7 +8,11 @@
 
 The episode ends at ``<submit/>``, after ``max_turns`` actions, or when the task's agent
 time (``HarborTask.agent_timeout``, summed over commands) is spent; the tests are copied
-in and run only then. Each command runs under the sandbox limits, its wall clock capped
+in and run only then. A multi-step task (``HarborTask.steps``) goes step by step: when a
+step ends so (turns and agent time are per step) its tests run, and the next step's
+instruction is the observation; the episode ends after the last step, or after a step
+that scored below its ``min_reward``, with the task's ``trial_reward``
+(``info["step_rewards"]`` has each step's). Each command runs under the sandbox limits, its wall clock capped
 by the agent time left. Observations are capped at ``observation_bytes`` (head and tail
 kept). ``noise`` (see ``envs/augment.py``) may perturb observations, never rewards. A task
 whose environment cannot be set up raises ``UnsupportedTask`` from ``reset``; a sandbox
@@ -22,7 +26,7 @@ import random
 from typing import Callable
 
 from envs.base import ACTION_HELP, Step, Transcript, Turn, parse_action
-from envs.harbor import HarborTask, Verdict, prepare, run_tests, task_env
+from envs.harbor import HarborTask, Verdict, prepare, run_tests, stops_after, task_env, trial_reward
 from envs.sandbox import Limits, Sandbox, SandboxError
 
 
@@ -57,9 +61,11 @@ class ShellEnv:
         except BaseException:
             self.close()
             raise
-        self.task, self.turns, self.time_left, self.verdict = task, 0, task.agent_timeout, None
+        self.task, self.verdict, self.step_rewards = task, None, []
         self.stats = {"actions": 0, "parsed": 0, "commands": 0, "killed": 0}
-        prompt = task.instruction.rstrip("\n") + ("\n\n" + ACTION_HELP if self.show_help else "") + "\n"
+        self.current = task.steps[0] if task.steps else task
+        self.turns, self.time_left = 0, self.current.agent_timeout
+        prompt = self.current.instruction.rstrip("\n") + ("\n\n" + ACTION_HELP if self.show_help else "") + "\n"
         self.transcript = Transcript(task.id, [Turn("prompt", prompt)])
         return prompt
 
@@ -92,8 +98,28 @@ class ShellEnv:
             observation = self.noise(observation, self.rng)
         self.transcript.add("tool", observation)
         if parsed.submit or self.turns >= self.max_turns or self.time_left <= 0:
+            if self.task.steps:
+                return self._end_step({"answer": parsed.answer, "submitted": parsed.submit}, observation)
             return self._finish(None, {"answer": parsed.answer, "submitted": parsed.submit}, observation)
         return Step(observation, 0.0, False, {"parsed": parsed.parsed})
+
+    def _end_step(self, info: dict, observation: str) -> Step:
+        """A multi-step task's step is over: its tests run; the next step's instruction is
+        the observation, unless this was the last step or scored below its ``min_reward``."""
+        try:
+            self.verdict = run_tests(self.sandbox, self.current)
+        except SandboxError as err:
+            return self._finish(0.0, {"error": str(err)}, observation)
+        self.step_rewards.append(self.verdict.reward)
+        info.update(step=self.current.id, step_reward=self.verdict.reward, reward_source=self.verdict.source)
+        index = len(self.step_rewards)
+        if index == len(self.task.steps) or stops_after(self.current, self.verdict.reward):
+            return self._finish(trial_reward(self.task, self.step_rewards), info, observation)
+        self.current = self.task.steps[index]
+        self.turns, self.time_left = 0, self.current.agent_timeout
+        text = f"[step {index + 1} of {len(self.task.steps)}]\n{self.current.instruction.rstrip()}\n"
+        self.transcript.add("prompt", text)
+        return Step(observation + text, 0.0, False, info)
 
     def _finish(self, reward: float | None, info: dict, observation: str = "") -> Step:
         if reward is None:
@@ -103,6 +129,8 @@ class ShellEnv:
                 info["reward_source"] = self.verdict.source
             except SandboxError as err:
                 reward, info["error"] = 0.0, str(err)
+        if self.task.steps:
+            info["step_rewards"] = list(self.step_rewards)
         info.update(self.stats, turns=self.turns)
         self.transcript.reward, self.transcript.info = reward, info
         self.task = None

@@ -37,7 +37,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from envs import changes
 from envs.base import TextTask, is_full, is_zero
-from envs.harbor import HarborTask, UnsupportedTask, prepare, run_script, run_tests
+from envs.harbor import HarborTask, UnsupportedTask, prepare, run_script, run_tests, stops_after, trial_reward
 from envs.sandbox import Limits, Sandbox, SandboxError, probe
 
 _HEREDOC = re.compile(r"<<-?\s*(['\"]?)([A-Za-z_][A-Za-z0-9_]*)\1")
@@ -127,22 +127,28 @@ class _Run:
     verdict: object
     ran: object  # the solution's RunResult, or None
     state: str  # snapshot of /app before the tests
+    start: str  # snapshot of /app before the script (after the earlier steps' solutions)
     change: changes.Changes | None = None
 
 
-def _episode(task: HarborTask, script: str | None, limits: Limits, sandbox_args: dict, *,
-             ops: list[changes.Op] = (), capture: bool = False) -> _Run:
-    """One run in a fresh sandbox: prepare, apply ``ops``, run ``script``, run the tests.
+def _episode(task: HarborTask, script: str | None, limits: Limits, sandbox_args: dict, *, step: HarborTask | None = None,
+             prior: tuple[HarborTask, ...] = (), ops: list[changes.Op] = (), capture: bool = False) -> _Run:
+    """One run in a fresh sandbox: prepare ``task``, run the solutions of the ``prior``
+    steps, apply ``ops``, run ``script``, run the tests of ``step`` (default: ``task``).
     ``capture``: also record what the script changed in /app."""
+    target = step or task
     with Sandbox(limits=limits, **sandbox_args) as sandbox:
         prepare(sandbox, task)
+        for done in prior:
+            run_script(sandbox, done, done.solution)
         top = sandbox.host_path("/app")
+        start = sandbox.snapshot("/app")
         before = changes.listing(top) if capture else None
         changes.apply(sandbox, list(ops))
-        ran = run_script(sandbox, task, script) if script is not None else None
+        ran = run_script(sandbox, target, script) if script is not None else None
         state = sandbox.snapshot("/app")
         change = changes.diff(before, changes.listing(top), top) if capture else None
-        return _Run(run_tests(sandbox, task), ran, state, change)
+        return _Run(run_tests(sandbox, target), ran, state, start, change)
 
 
 def _validate_harbor(task: HarborTask, t0: float, cuts: int, limits: Limits, sandbox_args: dict) -> TaskReport:
@@ -151,18 +157,13 @@ def _validate_harbor(task: HarborTask, t0: float, cuts: int, limits: Limits, san
         task.id, status, checks, time.monotonic() - t0, task.source, reason, environment)
     if task.unsupported:
         return report("unsupported", [], task.unsupported)
-    if task.solution is None:
-        return report("fail", [], "the task has no solution/solve.sh: the oracle check cannot run")
+    steps = task.steps or (task,)
+    missing = [s.id for s in steps if s.solution is None]
+    if missing:
+        return report("fail", [], f"no solution/solve.sh for {', '.join(missing)}: the oracle check cannot run")
     try:
-        oracle = _episode(task, task.solution, limits, sandbox_args, capture=True)
-        verdict, ran = oracle.verdict, oracle.ran
-        own = "" if verdict.reward >= 1.0 or not ran.output.strip() else f" ...{ran.output[-400:]}"
-        checks = [Check("oracle", is_full(verdict.reward), f"solve.sh {ran.summary()}{own}; {verdict.detail()}",
-                        [{"reward": verdict.reward, "source": verdict.source}])]
-        noop = _episode(task, None, limits, sandbox_args)
-        checks.append(Check("noop", is_zero(noop.verdict.reward), noop.verdict.detail(),
-                            [{"reward": noop.verdict.reward, "source": noop.verdict.source}]))
-        checks.append(_unfinished(task, oracle, noop, cuts, limits, sandbox_args))
+        checks = _multi_step_checks(task, cuts, limits, sandbox_args) if task.steps else \
+            _checks(task, cuts, limits, sandbox_args)
     except UnsupportedTask as err:
         return report("unsupported", [], str(err))
     except SandboxError as err:
@@ -170,24 +171,87 @@ def _validate_harbor(task: HarborTask, t0: float, cuts: int, limits: Limits, san
     return report("pass" if all(c.passed for c in checks) else "fail", checks)
 
 
-def _unfinished(task: HarborTask, oracle: _Run, noop: _Run, cuts: int, limits: Limits, sandbox_args: dict) -> Check:
-    probes, failed = [], 0
-    runs = [({"kind": "cut", "lines": s.count("\n")}, s, ()) for s in cut_points(task.solution, cuts)]
+def _oracle_detail(run: _Run) -> str:
+    verdict, ran = run.verdict, run.ran
+    own = "" if verdict.reward >= 1.0 or not ran.output.strip() else f" ...{ran.output[-400:]}"
+    return f"solve.sh {ran.summary()}{own}; {verdict.detail()}"
+
+
+def _checks(task: HarborTask, cuts: int, limits: Limits, sandbox_args: dict) -> list[Check]:
+    oracle = _episode(task, task.solution, limits, sandbox_args, capture=True)
+    verdict = oracle.verdict
+    checks = [Check("oracle", is_full(verdict.reward), _oracle_detail(oracle),
+                    [{"reward": verdict.reward, "source": verdict.source}])]
+    noop = _episode(task, None, limits, sandbox_args)
+    checks.append(Check("noop", is_zero(noop.verdict.reward), noop.verdict.detail(),
+                        [{"reward": noop.verdict.reward, "source": noop.verdict.source}]))
+    probes = _unfinished_probes(task, task, (), oracle, cuts, limits, sandbox_args)
+    checks.append(_unfinished_check(probes))
+    return checks
+
+
+def _multi_step_checks(task: HarborTask, cuts: int, limits: Limits, sandbox_args: dict) -> list[Check]:
+    """The three checks on the trial: the oracle solves each step after the earlier ones'
+    solutions (trial reward 1); doing nothing scores 0 on every step; each step's
+    unfinished runs, after the earlier steps' solutions, score 0 on that step."""
+    oracles = [_episode(task, s.solution, limits, sandbox_args, step=s, prior=task.steps[:k], capture=True)
+               for k, s in enumerate(task.steps)]
+    rewards = [r.verdict.reward for r in oracles]
+    per_step = [{"step": s.id, "reward": r.verdict.reward, "source": r.verdict.source} for s, r in zip(task.steps, oracles)]
+    failed = [(s, r) for s, r in zip(task.steps, oracles) if not is_full(r.verdict.reward)]
+    detail = (f"trial reward {trial_reward(task, rewards)} ({task.step_reward} of {rewards})"
+              + (f"; {failed[0][0].id}: {_oracle_detail(failed[0][1])}" if failed else ""))
+    checks = [Check("oracle", not failed and is_full(trial_reward(task, rewards)), detail, per_step)]
+    noop_rewards, noop_probes = [], []
+    for s in task.steps:
+        run = _episode(task, None, limits, sandbox_args, step=s)
+        noop_rewards.append(run.verdict.reward)
+        noop_probes.append({"step": s.id, "reward": run.verdict.reward, "source": run.verdict.source})
+        if stops_after(s, run.verdict.reward):
+            break
+    trial = trial_reward(task, noop_rewards)
+    checks.append(Check("noop", is_zero(trial), f"trial reward {trial} ({task.step_reward} of {noop_rewards})",
+                        noop_probes))
+    probes, unchecked = [], []
+    for k, (s, oracle) in enumerate(zip(task.steps, oracles)):
+        found = _unfinished_probes(task, s, task.steps[:k], oracle, cuts, limits, sandbox_args)
+        if not any("reward" in p for p in found):
+            unchecked.append(s.id)
+        probes += [{"step": s.id, **p} for p in found]
+    check = _unfinished_check(probes)
+    if unchecked and check.passed:
+        check = Check("unfinished", False, f"no unfinished probe for {', '.join(unchecked)}; {check.detail}", probes)
+    checks.append(check)
+    return checks
+
+
+def _unfinished_probes(task: HarborTask, step: HarborTask, prior: tuple, oracle: _Run, cuts: int, limits: Limits,
+                       sandbox_args: dict) -> list[dict]:
+    """Runs of ``step`` stopped partway (cuts, states from the oracle's changes, partials),
+    each scored by the step's tests; those that end as the oracle or as the untouched
+    directory are skipped."""
+    probes = []
+    runs = [({"kind": "cut", "lines": c.count("\n")}, c, ()) for c in cut_points(step.solution, cuts)]
     if oracle.change is not None and oracle.change.too_large:
         probes.append({"kind": "state", "skipped": f"the oracle changed more than {changes.MAX_BYTES} bytes"})
     elif oracle.change is not None:
         runs += [({"kind": "state", "name": name, "left_out_or_cut": paths[:20]}, None, ops)
                  for name, ops, paths in oracle.change.partial_states()]
-    runs += [({"kind": "partial", "lines": p.count("\n")}, p, ()) for p in task.partials]
-    for probe_info, script, ops in runs:
-        run = _episode(task, script, limits, sandbox_args, ops=ops)
-        if probe_info["kind"] != "partial" and run.state in (oracle.state, noop.state):
+    runs += [({"kind": "partial", "lines": p.count("\n")}, p, ()) for p in step.partials]
+    for info, script, ops in runs:
+        run = _episode(task, script, limits, sandbox_args, step=step if step is not task else None, prior=prior,
+                       ops=ops)
+        if info["kind"] != "partial" and run.state in (oracle.state, oracle.start):
             same = "the oracle's" if run.state == oracle.state else "the untouched directory (the no-op check)"
-            probes.append({**probe_info, "skipped": f"same final state as {same}"})
+            probes.append({**info, "skipped": f"same final state as {same}"})
             continue
-        failed += not is_zero(run.verdict.reward)
-        probes.append({**probe_info, "reward": run.verdict.reward, "source": run.verdict.source})
+        probes.append({**info, "reward": run.verdict.reward, "source": run.verdict.source})
+    return probes
+
+
+def _unfinished_check(probes: list[dict]) -> Check:
     ran_probes = [p for p in probes if "reward" in p]
+    failed = sum(not is_zero(p["reward"]) for p in ran_probes)
     if not ran_probes:
         detail = ("no unfinished probe: no cut point of solve.sh or part of the oracle's changes leaves a "
                   "different state, and there are no partial solutions")

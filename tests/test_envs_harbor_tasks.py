@@ -43,9 +43,11 @@ def test_each_task_gets_the_right_verdict(tmp_path, capsys):
     else:
         assert clip["status"] == "pass", clip
 
-    # per-step instructions: unsupported, and why
+    # [[steps]]: each step's checks after the earlier steps' solutions, the trial's reward
     steps = reports["release-notes"]
-    assert steps["status"] == "unsupported" and "2 [[steps]]" in steps["reason"] and "'02-render'" in steps["reason"]
+    assert steps["status"] == "pass", steps
+    assert {p["step"] for p in steps["checks"]["unfinished"]["probes"]} == {"release-notes.01-group",
+                                                                          "release-notes.02-render"}
 
 
 def test_the_whole_solution_folder_is_copied_and_its_error_shown(tmp_path):
@@ -58,3 +60,45 @@ def test_the_whole_solution_folder_is_copied_and_its_error_shown(tmp_path):
 
     report = validate(broken)
     assert report.status == "fail" and "no inventory parser yet" in report.checks[0].detail, report.to_dict()
+
+
+def test_a_multi_step_task_runs_step_by_step(tmp_path):
+    from envs.shell import ShellEnv
+
+    task = harbor.load_task(os.path.join(TASKS, "release-notes"))
+    assert [s.id for s in task.steps] == ["release-notes.01-group", "release-notes.02-render"]
+    assert task.steps[0].min_reward == 1.0 and task.step_reward == "mean"
+    env = ShellEnv()
+    try:
+        prompt = env.reset(task)
+        assert prompt.startswith("Group the commit subjects")
+        # the first step falls short of its min_reward: the run ends there, the second counts 0
+        _, reward, done, info = env.step("<bash>echo '{}' > /app/groups.json</bash><submit/>")
+        assert done and reward == 0.0 and info["step_rewards"] == [0.0], info
+        env.reset(task)
+        obs, reward, done, info = env.step("<bash>bash /solution/solve.sh 2>/dev/null || python3 -c \""
+                                           "import json; g = {}\nfor l in open('/app/commits.txt'):\n"
+                                           "    k, _, v = l.strip().partition(': '); g.setdefault(k, []).append(v)\n"
+                                           "json.dump(g, open('/app/groups.json', 'w'))\"</bash><submit/>")
+        assert not done and info["step_reward"] == 1.0 and "[step 2 of 2]" in obs and "RELEASE.md" in obs, obs
+        _, reward, done, info = env.step("<bash>printf '## Features\\n' > /app/RELEASE.md</bash><submit/>")
+        assert done and reward == 0.5 and info["step_rewards"] == [1.0, 0.0], info
+    finally:
+        env.close()
+    again = harbor.load_task(harbor.export_task(task, str(tmp_path)))
+    assert [(s.id, s.instruction, s.solution, s.min_reward) for s in again.steps] == \
+        [(s.id, s.instruction, s.solution, s.min_reward) for s in task.steps]
+
+
+def test_a_weak_step_verifier_fails_the_unfinished_check(tmp_path):
+    import shutil
+
+    from envs.validate import validate
+
+    copy = shutil.copytree(os.path.join(TASKS, "release-notes"), tmp_path / "release-notes")
+    (copy / "steps" / "02-render" / "tests" / "test.sh").write_text(
+        "#!/bin/bash\ngrep -q '^## Features' /app/RELEASE.md && echo 1 > /logs/verifier/reward.txt\n")
+    report = validate(harbor.load_task(str(copy)))
+    assert report.status == "fail" and not report.checks[2].passed, report.to_dict()
+    failed = [p for p in report.checks[2].probes if p.get("reward")]
+    assert failed and all(p["step"] == "release-notes.02-render" for p in failed)
