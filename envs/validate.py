@@ -15,6 +15,11 @@
    and is skipped, reported as such. With no probe left the check fails: an unchecked
    verifier is a rejected one.
 
+A multi-step task (``HarborTask.steps``) is checked as a trial: the oracle solves each
+step after the earlier steps' solutions (trial reward 1.0), doing nothing scores 0 on
+every step reached, and each step's unfinished runs, made after the earlier steps'
+solutions, score 0 on that step's tests (every step needs a probe of its own).
+
 For a ``TextTask`` the same checks run on text: the oracle answer; the empty completion
 (with and without the terminator); every strict prefix of the answer (with and without
 the terminator) and the family's partial answers.
