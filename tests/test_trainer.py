@@ -1,4 +1,5 @@
-"""The SAO job end to end at a toy size: a SIGKILLed run resumes exactly; NaN batches are skipped."""
+"""The SAO job end to end at a toy size: a SIGKILLed run resumes exactly from the newest
+checkpoint that reads, and its summary counts the whole run."""
 
 import json
 import os
@@ -48,11 +49,23 @@ def _metrics(workdir):
     return {r["step"]: {k: r.get(k) for k in DETERMINISTIC} for r in rows}
 
 
-def test_killed_run_resumes_with_the_same_next_steps(tmp_path):
+def _same_steps(resumed, uninterrupted, steps):
+    for step in steps:
+        for key in DETERMINISTIC:
+            x, y = resumed[step][key], uninterrupted[step][key]
+            if isinstance(x, float):
+                assert abs(x - y) <= 1e-6 * max(1.0, abs(y)), (step, key, x, y)
+            else:
+                assert x == y, (step, key)
+
+
+def test_killed_run_resumes_with_the_same_next_steps_past_a_corrupt_checkpoint(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     subprocess.run(_cmd(a), check=True, env=_env(), cwd=REPO, capture_output=True, timeout=900)
     uninterrupted = _metrics(a)
     assert sorted(uninterrupted) == [1, 2, 3, 4]
+    whole = json.loads((a / "summary.json").read_text())
+    assert whole["rollouts"] == 4 * 8 and whole["resumed_from_step"] is None
 
     b.mkdir()
     subprocess.run(["cp", "-r", str(a / "base"), str(b / "base")], check=True)
@@ -60,18 +73,24 @@ def test_killed_run_resumes_with_the_same_next_steps(tmp_path):
                             timeout=900)
     assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
     assert max(_metrics(b)) == 4 and sorted(int(p.name) for p in (b / "checkpoints").iterdir()) == [2]
-    subprocess.run(_cmd(b), check=True, env=_env(), cwd=REPO, capture_output=True, timeout=900)
-    rows = [json.loads(line) for line in (b / "metrics.jsonl").read_text().splitlines()]
-    resumed = {r["step"]: {k: r.get(k) for k in DETERMINISTIC} for r in rows}  # a re-run step overwrites
-    for step in (3, 4):
-        for key in DETERMINISTIC:
-            x, y = resumed[step][key], uninterrupted[step][key]
-            if isinstance(x, float):
-                assert abs(x - y) <= 1e-6 * max(1.0, abs(y)), (step, key, x, y)
-            else:
-                assert x == y, (step, key)
+    # Step 4's checkpoint, as the uninterrupted run wrote it, less half of its largest array file:
+    # the resumed run names it, sets it aside, resumes from step 2 and saves step 4 afresh.
+    step4 = b / "checkpoints" / "4"
+    subprocess.run(["cp", "-r", str(a / "checkpoints" / "4"), str(step4)], check=True)
+    data = max((step4 / "arrays" / "ocdbt.process_0" / "d").iterdir(), key=lambda p: p.stat().st_size)
+    os.truncate(data, data.stat().st_size // 2)
+    out = subprocess.run(_cmd(b), check=True, env=_env(), cwd=REPO, capture_output=True, timeout=900)
+    warnings = [line for line in out.stderr.decode().splitlines() if "does not read" in line]
+    assert len(warnings) == 1 and "checkpoint step 4 does not read (4/arrays: ValueError: OUT_OF_RANGE" in warnings[0]
+    assert f"resuming from step 2 instead; step 4 is moved to {step4}.corrupt" in warnings[0]
+    assert "resumed from step 2 (" in out.stdout.decode()
+    assert sorted(p.name for p in (b / "checkpoints").iterdir()) == ["2", "4", "4.corrupt"]
+    resumed = _metrics(b)  # a re-run step overwrites
+    _same_steps(resumed, uninterrupted, (3, 4))
     # No task trained on twice, none skipped: the resumed run's task sequence is the uninterrupted one.
     tasks = [t for s in sorted(resumed) for t in resumed[s]["tasks"]]
     assert tasks == [t for s in sorted(uninterrupted) for t in uninterrupted[s]["tasks"]]
     summary = json.loads((b / "summary.json").read_text())
     assert summary["steps"] == 4 and 0.0 <= summary["final_pass_rate"] <= 1.0
+    assert summary["rollouts"] == whole["rollouts"] and summary["dropped"] == whole["dropped"]
+    assert summary["resumed_from_step"] == 2 and summary["rl_seconds"] > 0
