@@ -83,7 +83,7 @@ def job_config(parser: argparse.ArgumentParser, argv=None, check=None):
 def train_main(argv=None) -> dict:
     """The job for a command line (the module docstring)."""
     cfg, args = job_config(make_parser(), argv, check=check_config)
-    return train(cfg, args.workdir)
+    return run(cfg, args.workdir)
 
 
 def check_config(cfg) -> None:
@@ -92,7 +92,7 @@ def check_config(cfg) -> None:
         raise ValueError("the config has no `train` section (steps, batch_size, seq_len, ...)")
 
 
-def train(cfg, workdir: str) -> dict:
+def run(cfg, workdir: str) -> dict:
     """Trains the config's model on the synthetic corpus; returns the summary."""
     model_cfg, tc = presets.model_config_from(cfg), cfg.train
     stage = tc.get("indexer_stage", "sparse")

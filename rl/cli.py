@@ -50,18 +50,16 @@ def run(argv=None) -> dict:
     parser = lm_cli.make_parser(__doc__.splitlines()[0])
     cfg, args = lm_cli.job_config(parser, argv, check=lambda cfg: _job(cfg).check_config(cfg))
     use_compile_cache()
-    job = _job(cfg)
-    if job is lm_cli:
-        return lm_cli.train(cfg, args.workdir)
     logging.basicConfig(level=logging.WARNING)
     try:
-        return job.run(cfg, args.workdir)
+        return _job(cfg).run(cfg, args.workdir)
     except UnreadableCheckpoints as err:
         parser.error(f"--workdir {args.workdir}: {err}; move them aside to start afresh")
 
 
 def _job(cfg):
-    """The module of the config's job: its `check_config(cfg)` raises ValueError on bad fields."""
+    """The module of the config's job: `check_config(cfg)` raises ValueError on bad fields,
+    `run(cfg, workdir)` runs it."""
     if "opd" in cfg:
         from rl import opd_trainer
 
