@@ -62,12 +62,9 @@ def job_config(parser: argparse.ArgumentParser, argv=None, check=None):
         parser.error(f"--config {args.config}: the config has no `model` section")
     try:
         presets.model_config_from(cfg)
-    except (TypeError, ValueError) as err:
-        parser.error(f"--config {args.config}: {err}")
-    try:
         if check is not None:
             check(cfg)
-    except ValueError as err:
+    except (TypeError, ValueError) as err:
         parser.error(f"--config {args.config}: {err}")
     if os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
         parser.error(f"--workdir {args.workdir} is a file, not a directory")

@@ -321,7 +321,8 @@ def run(cfg, workdir: str, make_rollout=None) -> dict:
                "algorithm": rl.algorithm, "eta": rl.eta, "dropped": dict(dropped), "heldout_tasks": len(heldout),
                "wall_seconds": earlier["wall_seconds"] + time.time() - start,
                "warmup_seconds": earlier["warmup_seconds"] + warmup_seconds, "rl_seconds": rl_seconds,
-               "learner_busy_fraction": busy / rl_seconds, "relative_gain": (final_rate - base_rate) / max(base_rate, 1e-9),
+               "learner_busy_fraction": busy / rl_seconds,
+               "relative_gain": (final_rate - base_rate) / max(base_rate, 1e-9),
                "resumed_from_step": resumed["step"] if resumed else None}
     with open(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)

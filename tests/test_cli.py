@@ -51,8 +51,8 @@ def _error(capsys, argv, main=cli.main) -> str:
      f"--config {SAO}: rl.algorithm='grpo' compares rollouts of one prompt: set rl.group_size >= 2"),
     (SAO, ["--config.rl.group_size=3"], f"--config {SAO}: rl.batch_size=64 must be a positive multiple of "
                                         "rl.group_size=3"),
-    (SAO, ["--config.task.family=sortin"], f"--config {SAO}: task.family='sortin' is not a text task family: "
-                                           "expected one of ['arithmetic', 'counting', 'program', 'sorting', 'strings']"),
+    (SAO, ["--config.task.family=sortin"], f"--config {SAO}: task.family='sortin' is not a text task family: expected "
+                                           "one of ['arithmetic', 'counting', 'program', 'sorting', 'strings']"),
     (SAO, ["--config.task.max_len=100"], f"--config {SAO}: task.max_len=100 exceeds "
                                          "model.max_position_embeddings=64"),
     (SAO, ["--config.rl.compaction.enabled=True", "--config.rl.compaction.summary_tokens=1"],
@@ -85,7 +85,8 @@ def test_get_config_rejecting_its_arg_or_missing_is_one_line_error(tmp_path, cap
 def test_a_workdir_that_cannot_be_a_directory_is_one_line_error(tmp_path, capsys):
     a_file = tmp_path / "summary.json"
     a_file.write_text("{}")
-    assert _error(capsys, ["--config", TINY, "--workdir", str(a_file)]) == f"--workdir {a_file} is a file, not a directory"
+    assert _error(capsys, ["--config", TINY, "--workdir", str(a_file)]) == \
+        f"--workdir {a_file} is a file, not a directory"
     assert _error(capsys, ["--config", TINY, "--workdir", str(a_file / "run")]) == \
         f"--workdir {a_file / 'run'} cannot be created: Not a directory"
     assert a_file.read_text() == "{}"
