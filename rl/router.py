@@ -118,12 +118,13 @@ class Router:
 
 
 class GrpcReplica:
-    """A glmjax-serve (or any JetStream Orchestrator) server as a router replica."""
+    """A glmjax-serve (or any JetStream Orchestrator) server as a router replica;
+    ``token``: the server's ``--auth-token``, sent with every request."""
 
-    def __init__(self, target: str, capacity: int):
+    def __init__(self, target: str, capacity: int, token: str | None = None):
         from rl.serve import Client
 
-        self.client, self.capacity = Client(target), capacity
+        self.client, self.capacity = Client(target, token=token), capacity
 
     def submit(self, request: Request, handle: Handle | None = None) -> Handle:
         handle = handle or Handle(request)

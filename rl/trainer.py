@@ -28,9 +28,9 @@ import logging
 import os
 import time
 
-import jax
 import numpy as np
 from flax import nnx
+from safetensors import SafetensorError
 from tqdm.auto import tqdm
 
 import glmjax
@@ -40,7 +40,7 @@ from glmjax import train as lm_train
 from rl import rollout as ro
 from rl.checkpoint import LoopCheckpointer
 from rl.compaction import Compaction, Rollout, oracle_segments
-from rl.driver import Driver, Request
+from rl.driver import Driver
 from rl.engine import GlmEngine
 from rl.learner import ALGORITHMS, Learner, ValueModel
 from rl.weights import WeightStore
@@ -67,11 +67,19 @@ def demonstrations(tasks, seq_len: int, compaction: Compaction | None = None):
 
 
 def build_base(cfg, workdir: str) -> glmjax.GlmForCausalLM:
-    """The supervised starting point, trained once and cached in workdir/base."""
+    """The supervised starting point, trained once and cached in workdir/base. A cache
+    that does not read (a truncated weight file) is moved aside to base.corrupt, with a
+    warning, and the base is trained again: it is the same model for the same config."""
     path = os.path.join(workdir, "base")
     if os.path.exists(os.path.join(path, "config.json")):
         log.info("loading the cached base model from %s", path)
-        return glmjax.from_pretrained(path)
+        try:
+            return glmjax.from_pretrained(path)
+        except (OSError, ValueError, SafetensorError) as err:
+            aside = _free_name(path + ".corrupt")
+            os.rename(path, aside)
+            log.warning("the cached base model in %s does not read (%s: %s); it is moved to %s and trained again",
+                        path, type(err).__name__, " ".join(str(err).split())[:300], aside)
     model_cfg = presets.model_config_from(cfg)
     model = glmjax.init_model(model_cfg, seed=cfg.base.seed)
     tasks = families.make_tasks(cfg.task.family, cfg.base.demonstrations, seed=cfg.base.seed,
@@ -85,6 +93,14 @@ def build_base(cfg, workdir: str) -> glmjax.GlmForCausalLM:
                             mtp_weight=cfg.base.mtp_weight)
     glmjax.save_pretrained(model, path)
     return model
+
+
+def _free_name(path: str) -> str:
+    candidate, n = path, 1
+    while os.path.exists(candidate):
+        n += 1
+        candidate = f"{path}-{n}"
+    return candidate
 
 
 def _compaction(cfg) -> Compaction | None:

@@ -156,9 +156,12 @@ def test_a_missing_or_wrong_token_is_unauthenticated_and_the_right_one_is_served
     client = serve.Client(target, token=TOKEN)
     assert _tokens(client.decode(p, max_tokens=4, timeout=300)) == expected
     client.close()
+    router = Router([GrpcReplica(target, capacity=1, token=TOKEN)])  # a router in front passes the token on
+    handle = router.submit(Request(prompt=p, max_new_tokens=4))
+    assert handle.result(timeout=300).tokens == expected
     after = _scrape(secured)
     assert after[_REQUESTS("unauthenticated")] - before[_REQUESTS("unauthenticated")] == 2
-    assert after[_REQUESTS("ok")] - before[_REQUESTS("ok")] == 1
+    assert after[_REQUESTS("ok")] - before[_REQUESTS("ok")] == 2
 
 
 def test_a_non_loopback_host_needs_a_token_or_insecure(server, monkeypatch, capsys):

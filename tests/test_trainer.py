@@ -79,8 +79,15 @@ def test_killed_run_resumes_with_the_same_next_steps_past_a_corrupt_checkpoint(t
     subprocess.run(["cp", "-r", str(a / "checkpoints" / "4"), str(step4)], check=True)
     data = max((step4 / "arrays" / "ocdbt.process_0" / "d").iterdir(), key=lambda p: p.stat().st_size)
     os.truncate(data, data.stat().st_size // 2)
+    # The cached base model's weights are cut short too: it is set aside and trained again.
+    weights = next((b / "base").glob("*.safetensors"))
+    size = weights.stat().st_size
+    os.truncate(weights, size // 2)
     out = subprocess.run(_cmd(b), check=True, env=_env(), cwd=REPO, capture_output=True, timeout=900)
-    warnings = [line for line in out.stderr.decode().splitlines() if "does not read" in line]
+    base_warnings = [line for line in out.stderr.decode().splitlines() if "cached base model" in line]
+    assert len(base_warnings) == 1 and f"moved to {b / 'base'}.corrupt and trained again" in base_warnings[0]
+    assert (b / "base.corrupt" / weights.name).stat().st_size == size // 2 and weights.stat().st_size == size
+    warnings = [line for line in out.stderr.decode().splitlines() if "does not read" in line and "checkpoint" in line]
     assert len(warnings) == 1 and "checkpoint step 4 does not read (4/arrays: ValueError: OUT_OF_RANGE" in warnings[0]
     assert f"resuming from step 2 instead; step 4 is moved to {step4}.corrupt" in warnings[0]
     assert "resumed from step 2 (" in out.stdout.decode()
