@@ -115,7 +115,11 @@ def apt_package(name: str, path: str | None = None) -> tuple[str | None, str]:
 # ----- the stand-ins (run inside the sandbox) ------------------------------------------------------
 _PIP_FLAGS_WITH_VALUE = {"-i", "--index-url", "--extra-index-url", "-c", "--constraint", "--root-user-action",
                          "--progress-bar", "-t", "--target", "--python", "-p", "--prefix", "--cache-dir", "-f",
-                         "--find-links", "--trusted-host", "--python-version", "--platform"}
+                         "--find-links", "--trusted-host", "--python-version", "--platform", "--retries", "--timeout",
+                         "--log", "--proxy", "--src", "--cert", "--client-cert", "--exists-action",
+                         "--upgrade-strategy", "--implementation", "--abi", "--report", "-C", "--config-settings",
+                         "--global-option", "--no-binary", "--only-binary", "--root", "--keyring-provider",
+                         "--resolution", "--index-strategy", "--extra-index"}
 
 
 def _read_text(path: str) -> str | None:
