@@ -20,9 +20,12 @@ task's error report and the others still run.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
+import signal
 import sys
+import threading
 
 from envs import evaluate, families, harbor, models, sandbox, validate
 from envs.generate import generate
@@ -92,26 +95,39 @@ def _validate(args) -> int:
     paths = harbor.find_tasks(args.dirs)
     if not paths:
         raise UsageError(f"no task directories (with task.toml or task.yaml) under {', '.join(args.dirs)}")
-    tasks, reports = [], []
+    tasks, failed_loads = [], []
     for path in paths:
         try:
             tasks.append(harbor.load_task(path))
         except (OSError, ValueError) as err:  # one task's bad files are that task's report
-            reports.append(validate.TaskReport(os.path.basename(path), "error", [], 0.0, path, f"cannot load: {err}"))
-    reports += validate.validate_all(tasks, workers=args.workers, cuts=args.cuts, network=args.network)
-    for report in reports:
+            failed_loads.append(validate.TaskReport(os.path.basename(path), "error", [], 0.0, path,
+                                                    f"cannot load: {err}"))
+    reports, names = [], set()
+    for report in itertools.chain(failed_loads, validate.iter_validate(tasks, workers=args.workers, cuts=args.cuts,
+                                                                     network=args.network)):
+        reports.append(report)  # each report is out as soon as it is done: a killed run keeps them
         data = report.to_dict()
-        print(json.dumps(data))
+        print(json.dumps(data), flush=True)
         if args.out:
+            name = _unique(report.task_id, names)  # public tasks often share a name
             os.makedirs(args.out, exist_ok=True)
-            with open(os.path.join(args.out, f"{report.task_id}.json"), "w") as f:
+            with open(os.path.join(args.out, f"{name}.json"), "w") as f:
                 json.dump(data, f, indent=1)
     passed = sum(r.passed for r in reports)
     for report in reports:
         failed = ", ".join(c.name for c in report.checks if not c.passed) or report.reason or ""
-        print(f"{report.status:<12} {report.task_id:<40} {failed}", file=sys.stderr)
+        print(f"{report.status:<12} {report.task_id:<32} {failed}  ({report.source})", file=sys.stderr)
     print(f"{passed}/{len(reports)} tasks pass all three checks", file=sys.stderr)
     return 0 if passed == len(reports) else 1
+
+
+def _unique(name: str, taken: set) -> str:
+    candidate, n = name, 1
+    while candidate in taken:
+        n += 1
+        candidate = f"{name}-{n}"
+    taken.add(candidate)
+    return candidate
 
 
 def _export(args) -> int:
@@ -213,6 +229,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", help="where to write the JSON report")
     p.set_defaults(fn=_eval)
     args = parser.parse_args(argv)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         return args.fn(args)
     except _INPUT_ERRORS as err:
@@ -221,6 +239,15 @@ def main(argv=None) -> int:
         message = "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
         print(f"{command.prog}: error: {message}", file=sys.stderr)
         return 2
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _terminate(signum, frame):
+    """SIGTERM unwinds like Ctrl-C, so that open sandboxes kill their commands and remove
+    their directories on the way out."""
+    raise SystemExit(128 + signum)
 
 
 if __name__ == "__main__":

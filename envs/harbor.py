@@ -54,7 +54,7 @@ import stat
 import tomllib
 from typing import Mapping
 
-from envs import dockerfile, installs
+from envs import dockerfile, installs, shell_syntax
 from envs.base import Task
 from envs.sandbox import RunResult, Sandbox
 from envs.tree import read_tree
@@ -75,11 +75,13 @@ class HarborFormatError(ValueError):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HarborTask(Task):
     """A sandboxed task. ``files``: the working directory's initial contents (paths
-    relative to it); ``solution``: ``solve.sh`` (install steps resolved);
+    relative to it); ``tmp_files``: what the image puts under ``/tmp``; ``solution``:
+    ``solve.sh`` (install steps resolved);
     ``solution_files``: the rest of ``solution/`` (``solve.py``, data ...), copied in beside
     it; ``tests``: the tests/ directory; ``setup``: commands run before the agent (the
     Dockerfile's RUN lines); ``partials``: half-done solutions (each must score 0);
-    ``installs``: how each install step was resolved; ``notes``: what the emulation left out.
+    ``installs``: how each install step was resolved; ``notes``: what the emulation left out;
+    ``storage_bytes``: the task's ``[environment] storage_mb``, the largest file it may write.
 
     A multi-step task (Harbor's ``[[steps]]``) has ``steps``: one task each (its own
     instruction, tests layered over the task's, solution, timeouts and ``min_reward``: a
@@ -88,6 +90,7 @@ class HarborTask(Task):
     0, or "final": the last step's) of theirs (``trial_reward``)."""
 
     files: Mapping[str, str | bytes] = dataclasses.field(default_factory=dict)
+    tmp_files: Mapping[str, str | bytes] = dataclasses.field(default_factory=dict)
     solution: str | None = None
     solution_files: Mapping[str, str | bytes] = dataclasses.field(default_factory=dict)
     tests: Mapping[str, str | bytes] = dataclasses.field(default_factory=dict)
@@ -105,6 +108,7 @@ class HarborTask(Task):
     steps: tuple["HarborTask", ...] = ()
     step_reward: str = "mean"
     min_reward: float | None = None
+    storage_bytes: int | None = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -161,6 +165,13 @@ def _map(text: str | bytes, task: HarborTask, sandbox: Sandbox, script: str | No
     return sandbox.rewrite(text)
 
 
+def task_limits(task: HarborTask, limits):
+    """``limits`` with the task's own storage as the file-size cap, where it declares more."""
+    if task.storage_bytes and task.storage_bytes > limits.file_bytes:
+        return limits.replace(file_bytes=task.storage_bytes)
+    return limits
+
+
 def task_env(sandbox: Sandbox, task: HarborTask, *, verifier: bool = False) -> dict[str, str]:
     """The task's variables for a command: ``$PATH`` expanded against the sandbox's PATH;
     for the verifier, PATH without directories the agent could write, and no user site."""
@@ -172,7 +183,6 @@ def task_env(sandbox: Sandbox, task: HarborTask, *, verifier: bool = False) -> d
         env["PATH"] = ":".join(e for e in entries if e and os.path.isabs(e) and not any(
             e == w or e.startswith(w + "/") for w in writable)) or path
         env["PYTHONNOUSERSITE"] = "1"
-        env.setdefault("PYTEST_ADDOPTS", "-p no:cacheprovider")  # /tests is read-only
     return env
 
 
@@ -182,6 +192,8 @@ def prepare(sandbox: Sandbox, task: HarborTask) -> None:
         raise UnsupportedTask(task.unsupported)
     for rel, data in task.files.items():
         sandbox.write_file(f"/app/{rel}", _map(data, task, sandbox))
+    for rel, data in task.tmp_files.items():
+        sandbox.write_file(f"/tmp/{rel}", _map(data, task, sandbox))
     for command in task.setup:
         result = sandbox.run(_map(command, task, sandbox, "RUN"), env=task_env(sandbox, task))
         if not result.ok:
@@ -362,6 +374,29 @@ def _task_toml(path: str) -> dict:
     return config
 
 
+_RUNNERS = {"python", "python3", "bash", "sh", "node", "perl", "ruby", "source", "."}
+
+
+def agent_writable_code(tests: Mapping[str, bytes], workdir: str) -> list[str]:
+    """Notes on test scripts that run a file of the working directory (``python3
+    /app/check.py``): the agent can edit it, so a verdict that rests on it can be forged."""
+    notes = []
+    for rel, data in tests.items():
+        if not rel.endswith(".sh"):
+            continue
+        try:
+            commands = shell_syntax.commands(data.decode())
+        except (ValueError, UnicodeDecodeError):
+            continue
+        for command in commands:
+            words = command.words
+            target = words[1] if len(words) > 1 and words[0] in _RUNNERS else words[0] if words else ""
+            if any(target == d or target.startswith(d.rstrip("/") + "/") for d in {workdir, "/app"}):
+                notes.append(f"tests/{rel} runs {target}, which the agent can change: a verdict that rests on it "
+                             "can be forged")
+    return notes
+
+
 def _scan_scripts(files: Mapping[str, bytes], where: str, path: str):
     """How the install steps of each shell script in ``files`` resolve: (installs, unsupported)."""
     found, unsupported = [], None
@@ -381,7 +416,8 @@ def _scan_scripts(files: Mapping[str, bytes], where: str, path: str):
 
 def _image(path: str, envdir: str) -> dockerfile.Image:
     try:
-        return dockerfile.emulate(os.path.join(envdir, "Dockerfile"))
+        return dockerfile.emulate(os.path.join(envdir, "Dockerfile"), os.path.relpath(os.path.join(envdir, "Dockerfile"),
+                                                                                 path))
     except dockerfile.DockerfileError as err:
         raise HarborFormatError(f"{path}: {err}") from None
 
@@ -434,13 +470,23 @@ def _load_harbor(path: str) -> HarborTask:
         id=task_id, instruction=instruction or "", steps=loaded_steps, step_reward=strategy,
         domain=extra.get("domain", meta.get("category", "terminal")),
         difficulty=extra.get("difficulty", _difficulty(meta.get("difficulty", "medium"))),
-        metadata={**meta, **extra.get("metadata", {})}, files=image.files,
+        metadata={**meta, **extra.get("metadata", {})}, files=image.files, tmp_files=image.tmp_files,
+        storage_bytes=_storage(path, environment),
         solution=solve.decode() if solve is not None else None, solution_files=solution_files, tests=tests,
         partials=partials, setup=tuple(image.setup), env={**image.env, **verifier.get("env", {})},
         agent_timeout=agent_timeout, verifier_timeout=verifier_timeout,
         workdir=workdir, unsupported=unsupported, source=os.path.abspath(path),
         installs=tuple(i.to_dict() for i in image.installs + test_installs + solution_installs),
-        notes=tuple(image.notes))
+        notes=tuple(image.notes + agent_writable_code(tests, workdir)))
+
+
+def _storage(path: str, environment: dict) -> int | None:
+    value = environment.get("storage_mb")
+    if value is None:
+        return None
+    if not isinstance(value, _NUMBER) or isinstance(value, bool) or value <= 0:
+        raise HarborFormatError(f"{path}/task.toml: [environment] storage_mb must be a number > 0, got {value!r}")
+    return int(value * (1 << 20))
 
 
 def _load_steps(path: str, config: dict, task_id: str, task_tests: dict, agent_timeout: float,
@@ -545,7 +591,8 @@ def _load_terminal_bench(path: str) -> HarborTask:
         id=_task_id(path, {}), instruction=instruction, domain=str(config.get("category", "terminal")),
         difficulty=_difficulty(config.get("difficulty", "medium")),
         metadata={k: config[k] for k in ("category", "tags", "author_email") if k in config},
-        files=image.files, solution=solution, tests=tests, test_command="bash /tests/run-tests.sh",
+        files=image.files, tmp_files=image.tmp_files, solution=solution, tests=tests,
+        test_command="bash /tests/run-tests.sh",
         setup=tuple(image.setup), env=image.env,
         agent_timeout=float(config.get("max_agent_timeout_sec", 180.0)),
         verifier_timeout=float(config.get("max_test_timeout_sec", 60.0)), workdir=image.workdir,

@@ -45,8 +45,16 @@ _ALIASES = {  # apt package -> the commands (or "/path" files, "py:module" modul
     "dnsutils": ("dig",), "iputils-ping": ("ping",), "coreutils": ("ls",), "findutils": ("find",),
     "gnupg": ("gpg",), "xz-utils": ("xz",), "bzip2": ("bzip2",), "locales": ("locale",),
     "software-properties-common": (), "apt-transport-https": (), "apt-utils": (),
+    "asciinema": (),  # Terminal-Bench's harness records sessions with it; tasks never use it
 }
 _REQUIREMENT = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(\[[^]]*\])?\s*(.*)$")
+PYTHON_VERSION = ".".join(map(str, sys.version_info[:3]))
+
+
+def same_python(asked: str) -> bool:
+    """Whether a requested python (``3.13``, ``python3.11``, ``>=3.10``) is the sandbox's."""
+    found = re.search(r"(\d+)\.(\d+)", asked)
+    return found is None or (int(found.group(1)), int(found.group(2))) == sys.version_info[:2]
 
 
 # ----- resolution --------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ every install step it finds, each resolved by ``envs/host_tools.py``:
     uv add, uvx --with R, uv run --with R         sandbox's python (another version: noted)
     uvx TOOL, uv run TOOL                         TOOL present (pytest always is)
     curl|wget URL | sh  (the uv installer)        replaced: uv and uvx are the sandbox's own
-    source $HOME/.local/bin/env, rm -rf /var/lib/apt/lists/*   replaced: nothing to do
+    source $HOME/.local/bin/env, cp ~/.local/bin/uv ...   replaced: uv is the sandbox's
+    rm -rf /var/lib/apt/lists/*, chmod/chown of /logs     replaced: nothing to do here
     curl / wget / git clone of a remote URL,      missing: they need the network
     npm / yarn / cargo / go / gem / conda installs
 
@@ -34,6 +35,8 @@ _UV_INSTALLER = re.compile(r"astral\.sh/uv|/uv/releases/.*installer|uv-installer
 _LOCAL_URL = re.compile(r"^\w+://(localhost|127\.\d+\.\d+\.\d+|0\.0\.0\.0|\[::1\])(:\d+)?(/|$)")
 _ENV_FILE = re.compile(r"(\$HOME|\$\{HOME\}|~|/root)/(\.local/bin/env|\.cargo/env)$")
 _APT_CACHE = re.compile(r"^/var/(lib/apt/lists|cache/apt)(/|$)")
+_UV_BINARY = re.compile(r"(\.local|\.cargo)/bin/uvx?$")
+_PYTHON_ALIAS = re.compile(r"^/usr/(local/)?bin/(python3?|pip3?)$")
 _NETWORK_INSTALLERS = {"npm": {"install", "i", "ci", "add"}, "yarn": {"install", "add", ""}, "pnpm": {"install", "add", "i"},
                        "cargo": {"install"}, "go": {"install", "get"}, "gem": {"install"}, "conda": {"install", "create"},
                        "mamba": {"install", "create"}, "pipx": {"install"}, "rustup": {"install", "default", "toolchain"},
@@ -88,6 +91,11 @@ def _short(text: str, limit: int = 160) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+def _only_logs(args: list[str]) -> bool:
+    paths = [a for a in args if not a.startswith("-")][1:]  # the first: the mode or owner
+    return bool(paths) and all(p == "/logs" or p.startswith("/logs/") for p in paths)
+
+
 def _resolved(where: str, command: str, results: list[tuple[str | None, str]]) -> Install:
     return Install(where, command, tuple(note for _, note in results), tuple(n for n, _ in results if n))
 
@@ -115,12 +123,22 @@ def _classify(words: list[str], where: str, command: str, path: str, read) -> In
         if not withs and not rest:
             return None
         results = [host_tools.python_package(w) for w in withs]
+        asked = next((args[i + 1] for i, a in enumerate(args[:-1]) if a in ("-p", "--python")), None)
+        if asked and not host_tools.same_python(asked):
+            results.append((None, f"python {asked} asked; the sandbox's is {host_tools.PYTHON_VERSION}"))
         if rest:
             tool = re.split(r"[=<>@\[]", rest[0], maxsplit=1)[0]
             known = tool in ("pytest", "py.test", "python", "python3") or host_tools.command(tool, path)
             results.append((None, f"{tool}: the sandbox's own") if known else
                            (tool, f"{tool} is not available in this sandbox"))
         return _resolved(where, command, results)
+    if name in ("cp", "mv", "ln", "install") and any(_UV_BINARY.search(a) for a in args if not a.startswith("-")):
+        return Install(where, command, ("copies the installer's uv: uv and uvx are the sandbox's own",), replaced=True)
+    if (name in ("ln", "cp") and args and _PYTHON_ALIAS.search(args[-1])) or (
+            name == "update-alternatives" and any(_PYTHON_ALIAS.search(a) for a in args)):
+        return Install(where, command, ("a python or pip alias: the sandbox's tools have both names",), replaced=True)
+    if name in ("chmod", "chown", "chgrp") and _only_logs(args):
+        return Install(where, command, ("the sandbox makes /logs and /logs/verifier itself",), replaced=True)
     if name in ("source", ".") and args and _ENV_FILE.search(args[0]):
         return Install(where, command, ("the uv installer's env file: uv and uvx are already on PATH",), replaced=True)
     if name == "rm" and any(_APT_CACHE.match(a) for a in args):

@@ -4,8 +4,7 @@
 network namespace (and bring its own loopback up) and, under chroot, a mount namespace;
 build the chroot (``_enter_root``: a read-only tmpfs root, read-only nosuid binds of the
 system directories, a minimal ``/dev``, ``/proc`` with ``hidepid``, the sandbox's own
-directories at ``/app /logs /tmp``, read-only ``/tests /solution`` and the read-only
-``binds``: the tool directory at ``/glmjax``, the host interpreter's prefix);
+directories at ``/app /logs /tmp /tests /solution`` and the read-only ``binds``: the tool directory at ``/glmjax``, the host interpreter's prefix);
 ``PR_SET_NO_NEW_PRIVS``; the rlimits; drop to the sandbox's uid. Everything the child needs is computed in the parent: the child of a
 threaded process should only make system calls.
 
@@ -33,7 +32,6 @@ import time
 UID_BASE = 420000
 UID_SPAN = 4096
 VIRTUAL_DIRS = ("/app", "/logs", "/tests", "/solution", "/tmp")
-READ_ONLY_DIRS = ("/tests", "/solution")
 _SYSTEM_DIRS = ("usr", "etc", "opt", "var", "bin", "sbin", "lib", "lib32", "lib64", "libx32")
 _DEVICES = ("null", "zero", "full", "random", "urandom", "tty")
 _CLONE_NEWNS, _CLONE_NEWNET, _CLONE_NEWPID = 0x00020000, 0x40000000, 0x20000000
@@ -147,7 +145,7 @@ class Plan:
                 _bind(path, new + path, read_only=True)
         for virtual in VIRTUAL_DIRS:
             os.makedirs(new + virtual)
-            _bind(os.path.join(self.root, virtual[1:]), new + virtual, read_only=virtual in READ_ONLY_DIRS)
+            _bind(os.path.join(self.root, virtual[1:]), new + virtual, read_only=False)
         for host, inside in self.binds:
             os.makedirs(new + inside, exist_ok=True)
             _bind(host, new + inside, read_only=True)

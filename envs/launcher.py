@@ -142,7 +142,10 @@ def serve() -> None:
             reply = (True, _HANDLERS[name](**kwargs))
         except Exception as err:  # returned to the caller, who raises it
             reply = (False, err)
-        _send(tx, reply)
+        try:
+            _send(tx, reply)
+        except BrokenPipeError:  # the caller is gone (killed or closed mid-request): so is the work
+            return
 
 
 # ----- the caller's side ----------------------------------------------------------------------

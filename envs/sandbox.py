@@ -33,7 +33,8 @@ What is enforced, and how (``probe()`` says which of these this machine allows):
   random, urandom, a private ``/dev/shm``), ``/proc`` with ``hidepid`` (a sandbox sees
   only its own processes), and the sandbox's own directories at the paths tasks expect:
   ``/app`` (the working directory), ``/logs`` (``/logs/verifier`` for the verifier),
-  ``/tmp``, and read-only ``/tests`` and ``/solution``. Nothing outside the sandbox
+  ``/tmp``, ``/tests`` and ``/solution`` (filled when the tests or the oracle run).
+  Nothing outside the sandbox
   directory is writable or even visible besides the system directories.
   ``filesystem="plain"`` (the fallback without mount namespaces): the same uid and
   limits, ``cwd`` is the host directory, and writes are confined by permissions only:
@@ -85,7 +86,7 @@ import threading
 from typing import Mapping
 
 from envs import cgroup, host_tools, launcher, tree
-from envs.isolation import READ_ONLY_DIRS, VIRTUAL_DIRS, Isolation, Plan, claim_uid
+from envs.isolation import VIRTUAL_DIRS, Isolation, Plan, claim_uid
 
 __all__ = ["Isolation", "Limits", "RunResult", "Sandbox", "SandboxError", "VIRTUAL_DIRS", "probe"]
 TOOLS = "/glmjax"  # where the tool directory (envs/host_tools.py) is mounted under chroot
@@ -263,7 +264,7 @@ class Sandbox:
         return re.sub(pattern, lambda m: self.host_path(m.group(1)), script)
 
     def _owner(self, virtual: str) -> int | None:
-        return None if virtual.startswith(READ_ONLY_DIRS) or virtual == "/logs" else self.uid
+        return None if virtual == "/logs" else self.uid
 
     def _safe(self, virtual: str) -> str:
         """The host path of ``virtual``, refusing one that a symlink leads out of the sandbox."""
@@ -274,20 +275,15 @@ class Sandbox:
 
     # ----- files (host side, as the caller) ----------------------------------------------
     def reset_dir(self, virtual: str) -> None:
-        """Make ``virtual`` an empty directory (symlinks are removed, never followed).
-        Directories the sandbox writes are its uid's, mode 0700; the read-only ones are
-        root's with the sandbox's group, mode 0750: other sandboxes cannot look in either."""
+        """Make ``virtual`` an empty directory (symlinks are removed, never followed),
+        the sandbox uid's with mode 0700 (``/logs`` itself stays root's, so that
+        ``/logs/verifier`` cannot be replaced): other sandboxes cannot look in."""
         host = self.host_path(virtual)
         tree.rmtree(host)
         os.makedirs(host, mode=0o755)
-        if self.uid is None:
-            return
-        if self._owner(virtual) is not None:
+        if self.uid is not None and self._owner(virtual) is not None:
             os.chown(host, self.uid, self.uid)
             os.chmod(host, 0o700)
-        elif virtual in READ_ONLY_DIRS:
-            os.chown(host, 0, self.uid)
-            os.chmod(host, 0o750)
 
     def write_file(self, virtual: str, data: str | bytes, mode: int | None = None) -> None:
         host = self._safe(virtual)

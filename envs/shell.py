@@ -26,7 +26,7 @@ import random
 from typing import Callable
 
 from envs.base import ACTION_HELP, Step, Transcript, Turn, parse_action
-from envs.harbor import HarborTask, Verdict, prepare, run_tests, stops_after, task_env, trial_reward
+from envs.harbor import HarborTask, Verdict, prepare, run_tests, stops_after, task_env, task_limits, trial_reward
 from envs.sandbox import Limits, Sandbox, SandboxError
 
 
@@ -55,7 +55,7 @@ class ShellEnv:
         self.close()
         if not isinstance(task, HarborTask):
             raise TypeError(f"ShellEnv runs HarborTask, got {type(task).__name__} ({getattr(task, 'id', '?')})")
-        self.sandbox = Sandbox(limits=self.limits, **self.sandbox_args)
+        self.sandbox = Sandbox(limits=task_limits(task, self.limits), **self.sandbox_args)
         try:
             prepare(self.sandbox, task)
         except BaseException:
@@ -83,7 +83,8 @@ class ShellEnv:
                 if self.time_left <= 0:
                     parts.append("[agent time is up]")
                     break
-                limits = self.limits.replace(wall_seconds=max(min(self.limits.wall_seconds, self.time_left), 0.1))
+                limits = self.sandbox.limits.replace(wall_seconds=max(min(self.sandbox.limits.wall_seconds, self.time_left),
+                                                                    0.1))
                 result = self.sandbox.run(self.sandbox.rewrite(command), limits=limits,
                                           env=task_env(self.sandbox, self.task))
                 self.time_left -= result.seconds

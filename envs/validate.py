@@ -42,7 +42,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from envs import changes
 from envs.base import TextTask, is_full, is_zero
-from envs.harbor import HarborTask, UnsupportedTask, prepare, run_script, run_tests, stops_after, trial_reward
+from envs.harbor import (HarborTask, UnsupportedTask, prepare, run_script, run_tests, stops_after, task_limits,
+                         trial_reward)
 from envs.sandbox import Limits, Sandbox, SandboxError, probe
 
 _HEREDOC = re.compile(r"<<-?\s*(['\"]?)([A-Za-z_][A-Za-z0-9_]*)\1")
@@ -166,14 +167,44 @@ def _validate_harbor(task: HarborTask, t0: float, cuts: int, limits: Limits, san
     missing = [s.id for s in steps if s.solution is None]
     if missing:
         return report("fail", [], f"no solution/solve.sh for {', '.join(missing)}: the oracle check cannot run")
+    limits = task_limits(task, limits)
     try:
-        checks = _multi_step_checks(task, cuts, limits, sandbox_args) if task.steps else \
+        checks, oracle_output = _multi_step_checks(task, cuts, limits, sandbox_args) if task.steps else \
             _checks(task, cuts, limits, sandbox_args)
     except UnsupportedTask as err:
         return report("unsupported", [], str(err))
     except SandboxError as err:
         return report("error", [], f"sandbox: {err}")
+    why = _sandbox_limit(oracle_output) if not checks[0].passed else None
+    if why:
+        return report("unsupported", checks, f"the oracle fails here because {why}")
     return report("pass" if all(c.passed for c in checks) else "fail", checks)
+
+
+_LIMITS = (  # what a failed oracle's output says when the sandbox, not the task, is at fault
+    (re.compile(r"(?:^|\n)(?:\S+: )?(?:line )?(?:\d+: )?([\w.+-]+): (?:command )?not found"),
+     "it needs {0}, which this host lacks"),
+    (re.compile(r"(?<![\w./-])(/(?!app\b|tmp\b|logs\b|tests\b|solution\b)[\w./-]+)'?: Read-only file system|"
+                r"Read-only file system: '(/(?!app\b|tmp\b|logs\b|tests\b|solution\b)[\w./-]+)'"),
+     "it writes to {0}, which the sandbox keeps read-only (only /app, /tmp, /logs, /tests and /solution are "
+     "writable)"),
+    (re.compile(r"File too large|File size limit exceeded"),
+     "it writes a file larger than the sandbox allows (the task's [environment] storage_mb raises the cap)"),
+    (re.compile(r"Operation not permitted|must be (?:run as )?root|are you root"),
+     "it needs root, and sandboxed commands run as an unprivileged user"),
+    (re.compile(r"Connection refused|Failed to connect"),
+     "the tests reach a service, and processes the solution starts do not outlive its command in the sandbox"),
+)
+
+
+def _sandbox_limit(output: str) -> str | None:
+    """Why a failed oracle run failed, when the cause is a limit of the sandbox (a missing
+    tool, a read-only system directory, no root, no background services); else None."""
+    for pattern, why in _LIMITS:
+        found = pattern.search(output)
+        if found:
+            return why.format(*[g for g in found.groups() if g is not None])
+    return None
 
 
 def _oracle_detail(run: _Run) -> str:
@@ -182,7 +213,13 @@ def _oracle_detail(run: _Run) -> str:
     return f"solve.sh {ran.summary()}{own}; {verdict.detail()}"
 
 
-def _checks(task: HarborTask, cuts: int, limits: Limits, sandbox_args: dict) -> list[Check]:
+def _output(run: _Run) -> str:
+    """What a run printed: the solution's output, then the tests'."""
+    return (run.ran.output if run.ran else "") + "\n" + run.verdict.result.output
+
+
+def _checks(task: HarborTask, cuts: int, limits: Limits, sandbox_args: dict) -> tuple[list[Check], str]:
+    """The three checks, and the oracle run's output."""
     oracle = _episode(task, task.solution, limits, sandbox_args, capture=True)
     verdict = oracle.verdict
     checks = [Check("oracle", is_full(verdict.reward), _oracle_detail(oracle),
@@ -192,10 +229,10 @@ def _checks(task: HarborTask, cuts: int, limits: Limits, sandbox_args: dict) -> 
                         [{"reward": noop.verdict.reward, "source": noop.verdict.source}]))
     probes = _unfinished_probes(task, task, (), oracle, cuts, limits, sandbox_args)
     checks.append(_unfinished_check(probes))
-    return checks
+    return checks, _output(oracle)
 
 
-def _multi_step_checks(task: HarborTask, cuts: int, limits: Limits, sandbox_args: dict) -> list[Check]:
+def _multi_step_checks(task: HarborTask, cuts: int, limits: Limits, sandbox_args: dict) -> tuple[list[Check], str]:
     """The three checks on the trial: the oracle solves each step after the earlier ones'
     solutions (trial reward 1); doing nothing scores 0 on every step; each step's
     unfinished runs, after the earlier steps' solutions, score 0 on that step."""
@@ -227,7 +264,7 @@ def _multi_step_checks(task: HarborTask, cuts: int, limits: Limits, sandbox_args
     if unchecked and check.passed:
         check = Check("unfinished", False, f"no unfinished probe for {', '.join(unchecked)}; {check.detail}", probes)
     checks.append(check)
-    return checks
+    return checks, _output(failed[0][1]) if failed else ""
 
 
 def _unfinished_probes(task: HarborTask, step: HarborTask, prior: tuple, oracle: _Run, cuts: int, limits: Limits,
@@ -291,9 +328,16 @@ def _validate_one(task, **kw) -> TaskReport:
                           f"the check could not run: {type(err).__name__}: {err}")
 
 
+def iter_validate(tasks, *, workers: int = 1, **kw):
+    """``validate`` over many tasks, ``workers`` at a time: each report as soon as it and
+    those before it are done, in input order."""
+    if workers <= 1:
+        yield from (_validate_one(t, **kw) for t in tasks)
+        return
+    with ThreadPoolExecutor(workers) as pool:
+        yield from pool.map(lambda t: _validate_one(t, **kw), tasks)
+
+
 def validate_all(tasks, *, workers: int = 1, **kw) -> list[TaskReport]:
     """``validate`` over many tasks, ``workers`` at a time; reports in input order."""
-    if workers <= 1:
-        return [_validate_one(t, **kw) for t in tasks]
-    with ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(lambda t: _validate_one(t, **kw), tasks))
+    return list(iter_validate(tasks, workers=workers, **kw))

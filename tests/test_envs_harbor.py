@@ -142,3 +142,73 @@ def test_cli_validate_folder_of_harbor_tasks(tmp_path, capsys):
     out = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert {r["task"]: r["status"] for r in out}["bad"] == "fail"
     assert main(["validate", str(tmp_path / "empty-dir-that-is-missing")]) == 2
+
+
+SANDBOX_LIMITS = {  # an oracle that fails for a reason of the sandbox's, not the task's -> the reason
+    "missing_tool": ("glmjax-no-such-tool --version > /app/result.txt\n", "it needs glmjax-no-such-tool"),
+    "read_only_system_dir": ("echo x > /var/log/app.log\n", "it writes to /var/log/app.log"),
+    "needs_root": ("python3 -c \"import os; os.setuid(0)\"\n", "it needs root"),
+    "background_service": ("(python3 -m http.server 8765 >/dev/null 2>&1 &)\nsleep 0.5\n",
+                           "processes the solution starts do not outlive its command"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SANDBOX_LIMITS))
+def test_an_oracle_failing_on_a_sandbox_limit_is_unsupported_and_says_why(tmp_path, case):
+    solve, why = SANDBOX_LIMITS[case]
+    test = GOOD_TEST if case != "background_service" else (
+        "#!/bin/bash\npython3 -c \"import urllib.request; urllib.request.urlopen('http://127.0.0.1:8765/')\" && "
+        "echo 1 > /logs/verifier/reward.txt\n")
+    report = validate(harbor.load_task(str(write_task(tmp_path, case, solve="#!/bin/bash\nset -e\n" + solve, test=test))))
+    assert report.status == "unsupported" and why in report.reason, report.to_dict()
+    assert not report.checks[0].passed  # the checks that ran stay in the report
+
+
+def test_the_tasks_storage_raises_the_file_size_cap_and_tests_may_write_beside_themselves(tmp_path):
+    solve = "#!/bin/bash\nset -e\npython3 -c \"open('/app/big', 'wb').truncate(200 << 20)\"\n" + GOOD_SOLVE.split("\n", 1)[1]
+    test = "#!/bin/bash\ntouch /tests/.scratch || exit 3\n" + GOOD_TEST.split("\n", 1)[1]
+    path = write_task(tmp_path, "big", solve=solve, test=test)
+    small = validate(harbor.load_task(str(path)))
+    assert small.status == "unsupported" and "larger than the sandbox allows" in small.reason, small.to_dict()
+    (path / "task.toml").write_text((path / "task.toml").read_text() + "\n[environment]\nstorage_mb = 1024\n")
+    task = harbor.load_task(str(path))
+    assert task.storage_bytes == 1024 << 20
+    assert validate(task).passed
+
+
+def test_tests_that_run_a_file_the_agent_can_change_are_noted(tmp_path):
+    test = "#!/bin/bash\npython3 /app/check.py && echo 1 > /logs/verifier/reward.txt\n"
+    task = harbor.load_task(str(write_task(tmp_path, "self-check", test=test)))
+    assert task.notes[-1].startswith("tests/test.sh runs /app/check.py, which the agent can change")
+
+
+def test_cli_validate_keeps_reports_of_tasks_that_share_a_name(tmp_path, capsys):
+    for name in ("a", "b"):
+        write_task(tmp_path / "tasks", name, extra_toml='\n[task]\nname = "someone/log-report"\n')
+    assert main(["validate", str(tmp_path / "tasks"), "--out", str(tmp_path / "reports")]) == 0
+    assert sorted(os.listdir(tmp_path / "reports")) == ["log-report-2.json", "log-report.json"]
+    sources = {json.loads(line)["source"] for line in capsys.readouterr().out.splitlines()}
+    assert len(sources) == 2
+
+
+def test_a_terminated_validate_leaves_no_sandbox_behind(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    write_task(tmp_path / "tasks", "slow", solve="#!/bin/bash\nsleep 60\n")
+    boxes = tmp_path / "boxes"
+    boxes.mkdir()
+    env = dict(os.environ, GLMJAX_SANDBOX_DIR=str(boxes))
+    proc = subprocess.Popen([sys.executable, "-m", "envs.cli", "validate", str(tmp_path / "tasks")], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while not os.listdir(boxes) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert os.listdir(boxes), "the oracle run never started"
+    time.sleep(1.0)  # inside the oracle's sleep
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM, err.decode()[-2000:]
+    assert os.listdir(boxes) == [] and b"Traceback" not in err, err.decode()[-2000:]

@@ -93,16 +93,45 @@ def test_the_dockerfile_is_emulated_with_dockers_copy_rules(tmp_path):
     assert image.files == {"a.txt": b"a", "renamed.txt": b"a", "src/b.py": b"b", "src/c.py": b"c",
                            "etc/x.ini": b"x", "vendor/pkg/data.txt": b"tar"}
     assert image.env == {"HOME_DIR": "/srv/demo", "PATH": "/srv/demo/bin:$PATH"}  # PATH: the sandbox's, later
-    assert image.setup[:2] == ["python3 -c 'print(1)'", "echo one\necho two\n"]
-    assert image.setup[2].split() == "apt-get update && apt-get install -y jq curl".split()
+    export = "export NAME=demo\n"  # build arguments are in the environment of the RUN lines
+    assert image.setup[:2] == [export + "python3 -c 'print(1)'", export + "echo one\necho two\n"]
+    assert image.setup[2].split() == (export + "apt-get update && apt-get install -y jq curl").split()
     assert any(n.startswith("CMD") for n in image.notes)
+
+
+def test_copies_land_where_the_final_workdir_and_tmp_put_them(tmp_path):
+    files = {"data.txt": b"d", "requirements.txt": b"pytest\nglmjax-nope==1\n", "wheels/w.txt": b"w"}
+    text = ("FROM python:3.12-slim\nCOPY data.txt /workspace/data.txt\nCOPY wheels /tmp/wheels\n"
+            "COPY --from=ghcr.io/astral-sh/uv:0.8.15 /uv /uvx /usr/local/bin/\nWORKDIR /workspace\n"
+            "COPY requirements.txt .\nRUN pip install -r requirements.txt\n")
+    image = dockerfile.emulate(_write_context(tmp_path, text, files))
+    assert image.workdir == "/workspace" and image.files == {"data.txt": b"d", "requirements.txt": files["requirements.txt"]}
+    assert image.tmp_files == {"wheels/w.txt": b"w"}
+    assert any("astral-sh/uv" in n and "sandbox's own" in n for n in image.notes)
+    assert image.unsupported and "glmjax-nope" in image.unsupported  # the copied requirements file was read
+
+
+def test_a_base_image_tool_the_host_lacks_is_unsupported(tmp_path):
+    image = dockerfile.emulate(_write_context(tmp_path, "FROM glmjax/no-such-base\nFROM haskell:9.8\n", {}))
+    if host_tools.command("ghc", host_tools.SYSTEM_PATH) is None:
+        assert "FROM haskell:9.8: the base image provides ghc, which this host lacks" in image.unsupported
+    with pytest.raises(dockerfile.DockerfileError, match="line 2: COPY source 'missing.txt' is not in the build"):
+        dockerfile.emulate(_write_context(tmp_path, "FROM x\nCOPY missing.txt /app/\n", {}))
+
+
+def test_steps_that_only_an_image_build_needs_are_replaced():
+    script = ("cp /root/.local/bin/uv /root/.local/bin/uvx /usr/local/bin/\nmkdir -p /logs/verifier && "
+              "chmod -R 0777 /logs\nln -s /usr/bin/python3 /usr/bin/python\nchmod 600 /app/key\n")
+    scan = installs.scan(script, "RUN")
+    assert scan.script.splitlines() == ["true", "mkdir -p /logs/verifier && true", "true", "chmod 600 /app/key"]
 
 
 @pytest.mark.parametrize("text, reason", [
     ("FROM x\nCOPY --from=build /out /app/out\n", "line 2: COPY --from a build stage"),
-    ("FROM x\nWORKDIR /app\nCOPY a.txt /etc/a.txt\n", "line 3: COPY to /etc/a.txt, outside the working directory /app"),
+    ("FROM x\nWORKDIR /app\nCOPY a.txt /etc/a.txt\n", "line 3: copies /etc/a.txt, outside the working directory /app"),
     ("FROM x\nADD https://example.com/f /app/f\n", "line 2: ADD of a URL"),
     ("FROM x\nCOPY ../secret /app/\n", "line 2: COPY source '../secret' is outside the build context"),
+    ("FROM x\nCOPY a.txt /opt/a.txt\nWORKDIR /app\n", "line 2: copies /opt/a.txt, outside the working directory"),
 ])
 def test_what_a_sandbox_cannot_reproduce_is_unsupported(tmp_path, text, reason):
     image = dockerfile.emulate(_write_context(tmp_path, text, {"a.txt": b"a"}))
