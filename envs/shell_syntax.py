@@ -101,7 +101,6 @@ class _Lexer:
                 self.i += 1
                 self.double_quoted()
             elif c == "`":
-                self.i += 1
                 self.backticks()
             elif t.startswith(open_, self.i):
                 depth, self.i = depth + 1, self.i + len(open_)
@@ -120,18 +119,24 @@ class _Lexer:
         value, self.i = self.text[self.i + 1:end], end + 1
         return value
 
-    def backticks(self) -> None:
-        start = self.i - 1
+    def backticks(self) -> str:
+        """A command substitution in backquotes, from its opening one, returned as written."""
+        start = self.i
+        self.i += 1
         while self.i < len(self.text):
             c = self.text[self.i]
             if c == "\\":
                 self.i += 2
             elif c == "`":
                 self.i += 1
-                return
+                return self.text[start:self.i]
             else:
                 self.i += 1
         raise self.error("unterminated backquote", start)
+
+    def expansion(self) -> str:
+        """``$...`` or a backquoted substitution at the cursor, returned as written."""
+        return self.backticks() if self.text[self.i] == "`" else self.dollar()
 
     def dollar(self) -> str:
         """An expansion starting at ``$``, returned as written."""
@@ -160,13 +165,8 @@ class _Lexer:
                 nxt = t[self.i + 1]
                 out.append("" if nxt == "\n" else nxt if nxt in '$`"\\' else c + nxt)
                 self.i += 2
-            elif c == "$":
-                out.append(self.dollar())
-            elif c == "`":
-                start = self.i
-                self.i += 1
-                self.backticks()
-                out.append(t[start:self.i])
+            elif c in "$`":
+                out.append(self.expansion())
             else:
                 out.append(c)
                 self.i += 1
@@ -192,13 +192,8 @@ class _Lexer:
             elif c == '"':
                 self.i += 1
                 out.append(self.double_quoted())
-            elif c == "$":
-                out.append(self.dollar())
-            elif c == "`":
-                start = self.i
-                self.i += 1
-                self.backticks()
-                out.append(t[start:self.i])
+            elif c in "$`":
+                out.append(self.expansion())
             else:
                 out.append(c)
                 self.i += 1
