@@ -184,10 +184,10 @@ def _validate_harbor(task: HarborTask, t0: float, cuts: int, limits: Limits, san
 _LIMITS = (  # what a failed oracle's output says when the sandbox, not the task, is at fault
     (re.compile(r"(?:^|\n)(?:\S+: )?(?:line )?(?:\d+: )?([\w.+-]+): (?:command )?not found"),
      "it needs {0}, which this host lacks"),
-    (re.compile(r"(?<![\w./-])(/(?!app\b|tmp\b|logs\b|tests\b|solution\b)[\w./-]+)'?: Read-only file system|"
-                r"Read-only file system: '(/(?!app\b|tmp\b|logs\b|tests\b|solution\b)[\w./-]+)'"),
-     "it writes to {0}, which the sandbox keeps read-only (only /app, /tmp, /logs, /tests and /solution are "
-     "writable)"),
+    (re.compile(r"(?<![\w./-])(/(?!(?:app|tmp|logs|tests|solution)/)[\w./-]+)'?: Read-only file system|"
+                r"Read-only file system: '(/(?!(?:app|tmp|logs|tests|solution)/)[\w./-]+)'"),
+     "it changes {0}, which the sandbox keeps read-only (only what is inside /app, /tmp, /logs, /tests and "
+     "/solution is writable)"),
     (re.compile(r"File too large|File size limit exceeded"),
      "it writes a file larger than the sandbox allows (the task's [environment] storage_mb raises the cap)"),
     (re.compile(r"Operation not permitted|must be (?:run as )?root|are you root"),
