@@ -23,6 +23,8 @@ import jax  # noqa: E402  (after the environment above)
 import pytest  # noqa: E402
 
 _REPO = pathlib.Path(__file__).resolve().parent.parent
+# tests/harbor_tasks holds task directories; their verifiers' test files are data, not tests of this suite
+collect_ignore_glob = ["harbor_tasks/*"]
 
 os.environ.setdefault("GLMJAX_JAX_CACHE", str(_REPO / ".jax_cache"))  # jobs started in subprocesses share it
 jax.config.update("jax_compilation_cache_dir", os.environ["GLMJAX_JAX_CACHE"])
