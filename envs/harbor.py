@@ -29,7 +29,8 @@ in one environment (``HarborTask.steps``). A malformed ``task.toml`` raises
 
 The verifier cannot be touched by the agent: before the tests run, ``/tmp`` (also
 ``HOME``) and ``/logs/verifier`` are made afresh and the tests are copied in; the tests'
-PATH holds no directory the agent could write; every ``python`` they start through the
+PATH holds no directory the agent could write; pytest loads only the plugins of the
+packages the task installs (as in its image); every ``python`` they start through the
 sandbox's tools skips user site-packages and finds an empty ``sitecustomize`` /
 ``usercustomize`` before any the agent planted (``envs/host_tools.py``); the reward is
 read only from the directory made for the verifier, and only from a regular file.
@@ -54,7 +55,7 @@ import stat
 import tomllib
 from typing import Mapping
 
-from envs import dockerfile, installs, shell_syntax
+from envs import dockerfile, host_tools, installs, shell_syntax
 from envs.base import Task
 from envs.sandbox import RunResult, Sandbox
 from envs.tree import read_tree
@@ -177,6 +178,11 @@ def task_env(sandbox: Sandbox, task: HarborTask, *, verifier: bool = False) -> d
     for the verifier, PATH without directories the agent could write, and no user site."""
     path = sandbox.env()["PATH"]
     env = {k: re.sub(r"\$\{PATH\}|\$PATH\b", path, _map(v, task, sandbox)) for k, v in task.env.items()}
+    # pytest loads the plugins of what the task installs, as in its image, not every plugin of the host's
+    env.setdefault("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+    plugins = host_tools.pytest_plugins(p for i in task.installs for p in i.get("packages", ()))
+    if plugins:
+        env.setdefault("PYTEST_PLUGINS", ",".join(plugins))
     if verifier:
         writable = tuple(sandbox.path(d) for d in _AGENT_WRITABLE)
         entries = env.get("PATH", path).split(":")
@@ -462,6 +468,8 @@ def _load_harbor(path: str) -> HarborTask:
         loaded_steps, step_installs, bad = _load_steps(path, config, task_id, tests, agent_timeout, verifier_timeout,
                                                        workdir, {**image.env, **verifier.get("env", {})})
         solution_installs, unsupported = solution_installs + step_installs, unsupported or bad
+    all_installs = tuple(i.to_dict() for i in image.installs + test_installs + solution_installs)
+    loaded_steps = tuple(s.replace(installs=all_installs) for s in loaded_steps)  # one environment for all steps
     strategy = config.get("multi_step_reward_strategy", "mean")
     if strategy not in ("mean", "final"):
         raise HarborFormatError(f"{path}/task.toml: multi_step_reward_strategy must be \"mean\" or \"final\", "
@@ -476,8 +484,7 @@ def _load_harbor(path: str) -> HarborTask:
         partials=partials, setup=tuple(image.setup), env={**image.env, **verifier.get("env", {})},
         agent_timeout=agent_timeout, verifier_timeout=verifier_timeout,
         workdir=workdir, unsupported=unsupported, source=os.path.abspath(path),
-        installs=tuple(i.to_dict() for i in image.installs + test_installs + solution_installs),
-        notes=tuple(image.notes + agent_writable_code(tests, workdir)))
+        installs=all_installs, notes=tuple(image.notes + agent_writable_code(tests, workdir)))
 
 
 def _storage(path: str, environment: dict) -> int | None:

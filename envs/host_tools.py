@@ -267,18 +267,24 @@ def _uvx(args: list[str]) -> int:
         return 2
 
 
-def _only_plugins(requirements: list[str]) -> None:
-    """As in uvx's fresh environment, pytest loads only the plugins of the packages asked
-    for with ``--with`` (not every plugin the host has installed)."""
+def pytest_plugins(requirements) -> list[str]:
+    """The pytest plugin modules (``pytest11`` entry points) of the distributions named."""
     plugins = []
     for requirement in requirements:
-        name = _REQUIREMENT.match(requirement).group(1)
+        found = _REQUIREMENT.match(requirement)
         try:
-            points = importlib.metadata.distribution(name).entry_points
+            points = importlib.metadata.distribution(found.group(1)).entry_points if found else ()
         except importlib.metadata.PackageNotFoundError:
             continue
         plugins += [ep.value.split(":")[0] for ep in points if ep.group == "pytest11"]
+    return list(dict.fromkeys(plugins))
+
+
+def _only_plugins(requirements: list[str]) -> None:
+    """As in uvx's fresh environment, pytest loads only the plugins of the packages asked
+    for with ``--with`` (not every plugin the host has installed)."""
     os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    plugins = pytest_plugins(requirements)
     if plugins:
         extra = " ".join(f"-p {p}" for p in plugins)
         os.environ["PYTEST_ADDOPTS"] = f"{os.environ.get('PYTEST_ADDOPTS', '')} {extra}".strip()

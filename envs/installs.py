@@ -46,13 +46,15 @@ _NETWORK_INSTALLERS = {"npm": {"install", "i", "ci", "add"}, "yarn": {"install",
 @dataclasses.dataclass(frozen=True)
 class Install:
     """One install step: where it is, the command as written, what resolved it, what is
-    missing (empty when satisfied) and whether the script runs ``true`` in its place."""
+    missing (empty when satisfied), whether the script runs ``true`` in its place, and
+    the python requirements it installs (whose pytest plugins the sandbox then loads)."""
 
     where: str
     command: str
     notes: tuple[str, ...]
     missing: tuple[str, ...] = ()
     replaced: bool = False
+    packages: tuple[str, ...] = ()  # the python requirements it installs
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -96,8 +98,9 @@ def _only_logs(args: list[str]) -> bool:
     return bool(paths) and all(p == "/logs" or p.startswith("/logs/") for p in paths)
 
 
-def _resolved(where: str, command: str, results: list[tuple[str | None, str]]) -> Install:
-    return Install(where, command, tuple(note for _, note in results), tuple(n for n, _ in results if n))
+def _resolved(where: str, command: str, results: list[tuple[str | None, str]], packages=()) -> Install:
+    return Install(where, command, tuple(note for _, note in results), tuple(n for n, _ in results if n),
+                   packages=tuple(packages))
 
 
 def _classify(words: list[str], where: str, command: str, path: str, read) -> Install | None:
@@ -114,9 +117,10 @@ def _classify(words: list[str], where: str, command: str, path: str, read) -> In
         reqs, sources = host_tools.pip_requirements(args[1:], read)
         results = [host_tools.python_package(r) for r in reqs]
         results += [(s, f"cannot install {s} without a network") for s in sources]
-        return _resolved(where, command, results)
+        return _resolved(where, command, results, reqs)
     if name == "uv" and args[:1] == ["add"]:
-        return _resolved(where, command, [host_tools.python_package(r) for r in args[1:] if not r.startswith("-")])
+        reqs = [r for r in args[1:] if not r.startswith("-")]
+        return _resolved(where, command, [host_tools.python_package(r) for r in reqs], reqs)
     if name == "uvx" or (name == "uv" and args[:1] == ["run"]) or (name == "uv" and args[:2] == ["tool", "run"]):
         args = args if name == "uvx" else args[1:] if args[:1] == ["run"] else args[2:]
         withs, rest = host_tools.uv_options(args)
@@ -131,7 +135,7 @@ def _classify(words: list[str], where: str, command: str, path: str, read) -> In
             known = tool in ("pytest", "py.test", "python", "python3") or host_tools.command(tool, path)
             results.append((None, f"{tool}: the sandbox's own") if known else
                            (tool, f"{tool} is not available in this sandbox"))
-        return _resolved(where, command, results)
+        return _resolved(where, command, results, withs)
     if name in ("cp", "mv", "ln", "install") and any(_UV_BINARY.search(a) for a in args if not a.startswith("-")):
         return Install(where, command, ("copies the installer's uv: uv and uvx are the sandbox's own",), replaced=True)
     if (name in ("ln", "cp") and args and _PYTHON_ALIAS.search(args[-1])) or (
