@@ -213,3 +213,20 @@ def test_a_terminated_validate_leaves_no_sandbox_behind(tmp_path):
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 128 + signal.SIGTERM, err.decode()[-2000:]
     assert os.listdir(boxes) == [] and b"Traceback" not in err, err.decode()[-2000:]
+
+
+def test_a_check_that_crashes_is_that_tasks_error_report_and_the_run_goes_on(tmp_path, monkeypatch):
+    from envs import validate as validate_module
+
+    good, bad = (harbor.load_task(str(write_task(tmp_path, name))) for name in ("good", "crashes"))
+    real = validate_module.prepare
+
+    def prepare(sandbox, task):
+        if task.id == "crashes":
+            raise IsADirectoryError(21, "Is a directory", "/app/.")
+        return real(sandbox, task)
+
+    monkeypatch.setattr(validate_module, "prepare", prepare)
+    reports = validate_module.validate_all([bad, good])
+    assert [r.status for r in reports] == ["error", "pass"]
+    assert reports[0].reason == "the check could not run: IsADirectoryError: [Errno 21] Is a directory: '/app/.'"
