@@ -10,7 +10,8 @@
     shell_syntax.py  the simple commands of a shell script, found without running it
     installs.py   a script's install steps, resolved against the host
     dockerfile.py a task's Dockerfile, emulated without Docker
-    harbor.py     HarborTask; Harbor / Terminal-Bench directories: load, run locally, export
+    harbor.py     HarborTask run in a sandbox: prepare, run the solution, run the verifier
+    harbor_dirs.py  Harbor / Terminal-Bench task directories: find, load, export
     changes.py    what a run changed in /app, and states that apply part of it
     shell.py      ShellEnv: multi-turn episodes of a HarborTask in a Sandbox
     validate.py   the three checks (oracle / no-op / unfinished), JSON reports

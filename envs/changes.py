@@ -69,6 +69,15 @@ def listing(top: str) -> dict[str, Node]:
     return out
 
 
+def digest(nodes: dict[str, Node]) -> str:
+    """A hash of a listing: two directories with the same paths, types, modes and
+    contents have the same digest."""
+    h = hashlib.sha256()
+    for path, node in sorted(nodes.items()):
+        h.update(f"{path}\0{node.kind}\0{node.mode}\0{node.digest}\0".encode())
+    return h.hexdigest()
+
+
 @dataclasses.dataclass
 class Changes:
     """``groups``: the changes in the order they happened (see the module docstring)."""
@@ -125,7 +134,7 @@ def diff(before: dict[str, Node], after: dict[str, Node], top: str) -> Changes:
         if node.kind == "link":
             timed.append((node.ctime_ns, Op(path, "symlink", node.digest.encode())))
             continue
-        data = _read(top, path)
+        data = tree.read_path(top, path)
         size += len(data)
         if size > MAX_BYTES:
             return Changes([], too_large=True)
@@ -147,22 +156,6 @@ def diff(before: dict[str, Node], after: dict[str, Node], top: str) -> Changes:
         groups[1] = groups[0] + groups[1]
         groups = groups[1:]
     return Changes(groups)
-
-
-def _read(top: str, path: str) -> bytes:
-    """A file below ``top`` by relative path, opened one directory at a time (any depth)."""
-    fd = os.open(top, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        parts = path.split("/")
-        for part in parts[:-1]:
-            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-            os.close(fd)
-            fd = nxt
-        leaf = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW, dir_fd=fd)
-        with os.fdopen(leaf, "rb") as f:
-            return f.read()
-    finally:
-        os.close(fd)
 
 
 def apply(sandbox, ops: list[Op], virtual: str = "/app") -> None:

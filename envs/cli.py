@@ -27,7 +27,7 @@ import signal
 import sys
 import threading
 
-from envs import evaluate, families, harbor, models, sandbox, validate
+from envs import evaluate, families, harbor, harbor_dirs, models, sandbox, validate
 from envs.generate import generate
 from envs.shell import ShellEnv
 
@@ -37,7 +37,8 @@ class UsageError(Exception):
 
 
 # Errors that report bad input, shown as one line (anything else is a bug: a traceback)
-_INPUT_ERRORS = (UsageError, harbor.HarborFormatError, harbor.UnsupportedTask, sandbox.SandboxError, models.ModelError,
+_INPUT_ERRORS = (UsageError, harbor_dirs.HarborFormatError, harbor.UnsupportedTask, sandbox.SandboxError,
+                 models.ModelError,
                  FileNotFoundError, NotADirectoryError, IsADirectoryError, FileExistsError, PermissionError)
 
 
@@ -92,13 +93,13 @@ def _info(args) -> int:
 
 def _validate(args) -> int:
     _out_dir(args.out)
-    paths = harbor.find_tasks(args.dirs)
+    paths = harbor_dirs.find_tasks(args.dirs)
     if not paths:
         raise UsageError(f"no task directories (with task.toml or task.yaml) under {', '.join(args.dirs)}")
     tasks, failed_loads = [], []
     for path in paths:
         try:
-            tasks.append(harbor.load_task(path))
+            tasks.append(harbor_dirs.load_task(path))
         except (OSError, ValueError) as err:  # one task's bad files are that task's report
             failed_loads.append(validate.TaskReport(os.path.basename(path), "error", [], 0.0, path,
                                                     f"cannot load: {err}"))
@@ -135,7 +136,7 @@ def _export(args) -> int:
         raise UsageError(f"family {args.family!r} does not export to Harbor; sandboxed families: "
                          f"{', '.join(sorted(families.SANDBOX))}")
     for task in families.make_tasks(args.family, args.n, seed=args.seed, difficulty=args.difficulty):
-        print(harbor.export_task(task, args.out))
+        print(harbor_dirs.export_task(task, args.out))
     return 0
 
 
@@ -149,7 +150,7 @@ def _generate(args) -> int:
 
 
 def _run(args) -> int:
-    task = harbor.load_task(args.task)
+    task = harbor_dirs.load_task(args.task)
     client = _client(args.model, tasks=[task])
     env = ShellEnv(max_turns=args.max_turns)
     try:

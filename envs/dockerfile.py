@@ -53,8 +53,9 @@ class DockerfileError(ValueError):
 @dataclasses.dataclass
 class Image:
     """What the emulated build produced. ``files``: the working directory's contents,
-    paths relative to it; ``tmp_files``: what it put under ``/tmp`` (relative to it); ``setup``: the RUN commands as written (``envs/harbor.py``
-    resolves their install steps when it runs them); ``installs``: how they resolve."""
+    paths relative to it; ``tmp_files``: what it put under ``/tmp`` (relative to it);
+    ``setup``: the RUN commands as written (``envs/harbor.py`` resolves their install
+    steps when it runs them); ``installs``: how they resolve."""
 
     workdir: str = "/app"
     files: dict[str, bytes] = dataclasses.field(default_factory=dict)

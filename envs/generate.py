@@ -35,7 +35,8 @@ from concurrent.futures import ThreadPoolExecutor
 from envs import families
 from envs.base import TextTask
 from envs.families.pattern import Pattern, Spec, python_tests
-from envs.harbor import HarborTask, UnsupportedTask, export_task, load_task, prepare, run_script
+from envs.harbor import HarborTask, UnsupportedTask, prepare, run_script
+from envs.harbor_dirs import export_task, load_task
 from envs.models import ModelClient
 from envs.sandbox import Limits, Sandbox
 from envs.validate import validate

@@ -117,7 +117,9 @@ def apt_package(name: str, path: str | None = None) -> tuple[str | None, str]:
             present = command(need, path) is not None
         if not present:
             return name, f"{name} is not on this host (no dpkg package, no {need.removeprefix('py:')})"
-    return None, f"{name}: {', '.join(n.removeprefix('py:') for n in needs)} present" if needs else f"{name}: not needed here"
+    if not needs:
+        return None, f"{name}: not needed here"
+    return None, f"{name}: {', '.join(n.removeprefix('py:') for n in needs)} present"
 
 
 # ----- the stand-ins (run inside the sandbox) ------------------------------------------------------
@@ -143,7 +145,7 @@ def pip_requirements(args: list[str], read=_read_text) -> tuple[list[str], list[
     with ``read(path) -> text or None``."""
     reqs, sources, it = [], [], iter(args)
     for arg in it:
-        if arg in ("-r", "--requirement") or arg.startswith("--requirement=") or (arg.startswith("-r") and len(arg) > 2):
+        if arg in ("-r", "--requirement") or arg.startswith(("--requirement=", "-r")) and arg != "-r":
             path = next(it, "") if arg in ("-r", "--requirement") else arg.split("=", 1)[-1] if "=" in arg else arg[2:]
             text = read(path)
             if text is None:

@@ -37,9 +37,10 @@ _ENV_FILE = re.compile(r"(\$HOME|\$\{HOME\}|~|/root)/(\.local/bin/env|\.cargo/en
 _APT_CACHE = re.compile(r"^/var/(lib/apt/lists|cache/apt)(/|$)")
 _UV_BINARY = re.compile(r"(\.local|\.cargo)/bin/uvx?$")
 _PYTHON_ALIAS = re.compile(r"^/usr/(local/)?bin/(python3?|pip3?)$")
-_NETWORK_INSTALLERS = {"npm": {"install", "i", "ci", "add"}, "yarn": {"install", "add", ""}, "pnpm": {"install", "add", "i"},
-                       "cargo": {"install"}, "go": {"install", "get"}, "gem": {"install"}, "conda": {"install", "create"},
-                       "mamba": {"install", "create"}, "pipx": {"install"}, "rustup": {"install", "default", "toolchain"},
+_NETWORK_INSTALLERS = {"npm": {"install", "i", "ci", "add"}, "yarn": {"install", "add", ""},
+                       "pnpm": {"install", "add", "i"}, "cargo": {"install"}, "go": {"install", "get"},
+                       "gem": {"install"}, "conda": {"install", "create"}, "mamba": {"install", "create"},
+                       "pipx": {"install"}, "rustup": {"install", "default", "toolchain"},
                        "nvm": {"install"}, "bun": {"install", "add"}}
 
 

@@ -4,9 +4,10 @@
 network namespace (and bring its own loopback up) and, under chroot, a mount namespace;
 build the chroot (``_enter_root``: a read-only tmpfs root, read-only nosuid binds of the
 system directories, a minimal ``/dev``, ``/proc`` with ``hidepid``, the sandbox's own
-directories at ``/app /logs /tmp /tests /solution`` and the read-only ``binds``: the tool directory at ``/glmjax``, the host interpreter's prefix);
-``PR_SET_NO_NEW_PRIVS``; the rlimits; drop to the sandbox's uid. Everything the child needs is computed in the parent: the child of a
-threaded process should only make system calls.
+directories at ``/app /logs /tmp /tests /solution`` and the read-only ``binds``: the
+tool directory at ``/glmjax``, the host interpreter's prefix); ``PR_SET_NO_NEW_PRIVS``;
+the rlimits; drop to the sandbox's uid. Everything the child needs is computed in the
+parent: the child of a threaded process should only make system calls.
 
 ``probe()`` tries each namespace; ``claim_uid()`` hands out a uid no
 other live sandbox holds (an ``flock`` per uid, released when its holder exits);

@@ -325,7 +325,8 @@ class Sandbox:
 
     # ----- commands -------------------------------------------------------------------------
     def env(self, extra: Mapping[str, str] | None = None) -> dict[str, str]:
-        env = {"PATH": f"{self.tools}/bin:{host_tools.SYSTEM_PATH}", "HOME": self.path("/tmp"), "TMPDIR": self.path("/tmp"), "LANG": "C.UTF-8",
+        env = {"PATH": f"{self.tools}/bin:{host_tools.SYSTEM_PATH}", "HOME": self.path("/tmp"),
+               "TMPDIR": self.path("/tmp"), "LANG": "C.UTF-8",
                "LC_ALL": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1", "PYTHONHASHSEED": "0",
                "APP_DIR": self.path("/app"), "LOGS_DIR": self.path("/logs"), "TEST_DIR": self.path("/tests")}
         env.update(extra or {})
@@ -344,8 +345,8 @@ class Sandbox:
         if self.uid is not None:  # root ignores RLIMIT_NPROC; the sandbox uid does not
             rlimits.append((resource.RLIMIT_NPROC, limits.processes))
         plan = Plan(root=self.root, uid=self.uid, network_ns=self.isolation.network == "netns", chroot=chroot,
-                    pid_ns=self.isolation.processes == "pidns", rlimits=rlimits, cwd=cwd if chroot else self.host_path(cwd),
-                    binds=self._binds, cgroup_procs=self.memory.procs if self.memory else None)
+                    pid_ns=self.isolation.processes == "pidns", rlimits=rlimits,
+                    cwd=cwd if chroot else self.host_path(cwd), binds=self._binds, cgroup_procs=self.memory.procs if self.memory else None)
         oom_kills = 0
         if self.memory is not None:
             self.memory.set_limit(limits.memory_bytes)

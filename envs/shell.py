@@ -83,8 +83,8 @@ class ShellEnv:
                 if self.time_left <= 0:
                     parts.append("[agent time is up]")
                     break
-                limits = self.sandbox.limits.replace(wall_seconds=max(min(self.sandbox.limits.wall_seconds, self.time_left),
-                                                                    0.1))
+                wall = max(min(self.sandbox.limits.wall_seconds, self.time_left), 0.1)
+                limits = self.sandbox.limits.replace(wall_seconds=wall)
                 result = self.sandbox.run(self.sandbox.rewrite(command), limits=limits,
                                           env=task_env(self.sandbox, self.task))
                 self.time_left -= result.seconds

@@ -136,3 +136,19 @@ def read_tree(top: str) -> dict[str, bytes]:
     if not os.path.isdir(top):
         return {}
     return {e.path: e.read() for e in files(top)}
+
+
+def read_path(top: str, path: str) -> bytes:
+    """The file ``path`` (relative, "a/b/c") below ``top``, opened one directory at a time
+    and never through a symlink, so any depth reads."""
+    fd = os.open(top, _DIR_FLAGS)
+    try:
+        *parents, leaf = path.split("/")
+        for part in parents:
+            nxt = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        with os.fdopen(os.open(leaf, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd), "rb") as f:
+            return f.read()
+    finally:
+        os.close(fd)

@@ -27,7 +27,7 @@ the terminator) and the family's partial answers.
 Every sandboxed run uses a fresh ``Sandbox``. ``TaskReport.to_dict()`` is the JSON
 report, with the sandbox's isolation and how the task's install steps were resolved;
 ``status`` is "pass", "fail", "unsupported" (the environment cannot be set up locally:
-``envs/harbor.py``) or "error" (the task could not be loaded, or the check itself could
+``envs/harbor_dirs.py``) or "error" (the task could not be loaded, or the check itself could
 not run; the reason says which). One task's error is that task's report, never the end
 of a ``validate_all`` run.
 """
@@ -137,8 +137,9 @@ class _Run:
     change: changes.Changes | None = None
 
 
-def _episode(task: HarborTask, script: str | None, limits: Limits, sandbox_args: dict, *, step: HarborTask | None = None,
-             prior: tuple[HarborTask, ...] = (), ops: list[changes.Op] = (), capture: bool = False) -> _Run:
+def _episode(task: HarborTask, script: str | None, limits: Limits, sandbox_args: dict, *,
+             step: HarborTask | None = None, prior: tuple[HarborTask, ...] = (), ops: list[changes.Op] = (),
+             capture: bool = False) -> _Run:
     """One run in a fresh sandbox: prepare ``task``, run the solutions of the ``prior``
     steps, apply ``ops``, run ``script``, run the tests of ``step`` (default: ``task``).
     ``capture``: also record what the script changed in /app."""
@@ -148,13 +149,12 @@ def _episode(task: HarborTask, script: str | None, limits: Limits, sandbox_args:
         for done in prior:
             run_script(sandbox, done, done.solution)
         top = sandbox.host_path("/app")
-        start = sandbox.snapshot("/app")
-        before = changes.listing(top) if capture else None
+        before = changes.listing(top)
         changes.apply(sandbox, list(ops))
         ran = run_script(sandbox, target, script) if script is not None else None
-        state = sandbox.snapshot("/app")
-        change = changes.diff(before, changes.listing(top), top) if capture else None
-        return _Run(run_tests(sandbox, target), ran, state, start, change)
+        after = changes.listing(top)
+        change = changes.diff(before, after, top) if capture else None
+        return _Run(run_tests(sandbox, target), ran, changes.digest(after), changes.digest(before), change)
 
 
 def _validate_harbor(task: HarborTask, t0: float, cuts: int, limits: Limits, sandbox_args: dict) -> TaskReport:
@@ -239,7 +239,8 @@ def _multi_step_checks(task: HarborTask, cuts: int, limits: Limits, sandbox_args
     oracles = [_episode(task, s.solution, limits, sandbox_args, step=s, prior=task.steps[:k], capture=True)
                for k, s in enumerate(task.steps)]
     rewards = [r.verdict.reward for r in oracles]
-    per_step = [{"step": s.id, "reward": r.verdict.reward, "source": r.verdict.source} for s, r in zip(task.steps, oracles)]
+    per_step = [{"step": s.id, "reward": r.verdict.reward, "source": r.verdict.source}
+                for s, r in zip(task.steps, oracles)]
     failed = [(s, r) for s, r in zip(task.steps, oracles) if not is_full(r.verdict.reward)]
     detail = (f"trial reward {trial_reward(task, rewards)} ({task.step_reward} of {rewards})"
               + (f"; {failed[0][0].id}: {_oracle_detail(failed[0][1])}" if failed else ""))

@@ -32,6 +32,17 @@ log = logging.getLogger(__name__)
 _REQUIRED_META = ("step", "version", "learner_steps", "skipped", "stream", "admission")
 
 
+def set_aside(path: str) -> str:
+    """Renames `path` (a file or directory that does not read) to `<path>.corrupt`
+    (`.corrupt-2`, ... if taken), keeping it for inspection; returns the new name."""
+    dst, n = f"{path}.corrupt", 1
+    while os.path.exists(dst):
+        n += 1
+        dst = f"{path}.corrupt-{n}"
+    os.rename(path, dst)
+    return dst
+
+
 class UnreadableCheckpoints(RuntimeError):
     """Every checkpoint in the directory fails to read (the message lists each step's reason)."""
 
@@ -90,7 +101,7 @@ class LoopCheckpointer:
                     f"step {s}: {why}" for s, why in failed))
             return None
         for bad, why in failed:
-            moved = self._set_aside(bad)
+            moved = set_aside(os.path.join(self.directory, str(bad)))
             log.warning("checkpoint step %d does not read (%s): resuming from step %d instead; step %d is moved "
                         "to %s", bad, why, step, bad, moved)
         if failed:
@@ -118,16 +129,6 @@ class LoopCheckpointer:
         except Exception as err:
             raise ValueError(f"{step}/arrays") from err
         return meta, arrays["arrays"]
-
-    def _set_aside(self, step: int) -> str:
-        """Renames step `step`'s directory to `<step>.corrupt` (`.corrupt-2`, ... if taken)."""
-        src = os.path.join(self.directory, str(step))
-        dst, n = f"{src}.corrupt", 1
-        while os.path.exists(dst):
-            n += 1
-            dst = f"{src}.corrupt-{n}"
-        os.rename(src, dst)
-        return dst
 
     def wait(self) -> None:
         self.manager.wait_until_finished()

@@ -38,7 +38,7 @@ from envs import families
 from glmjax import presets
 from glmjax import train as lm_train
 from rl import rollout as ro
-from rl.checkpoint import LoopCheckpointer
+from rl.checkpoint import LoopCheckpointer, set_aside
 from rl.compaction import Compaction, Rollout, oracle_segments
 from rl.driver import Driver
 from rl.engine import GlmEngine
@@ -76,8 +76,7 @@ def build_base(cfg, workdir: str) -> glmjax.GlmForCausalLM:
         try:
             return glmjax.from_pretrained(path)
         except (OSError, ValueError, SafetensorError) as err:
-            aside = _free_name(path + ".corrupt")
-            os.rename(path, aside)
+            aside = set_aside(path)
             log.warning("the cached base model in %s does not read (%s: %s); it is moved to %s and trained again",
                         path, type(err).__name__, " ".join(str(err).split())[:300], aside)
     model_cfg = presets.model_config_from(cfg)
@@ -93,14 +92,6 @@ def build_base(cfg, workdir: str) -> glmjax.GlmForCausalLM:
                             mtp_weight=cfg.base.mtp_weight)
     glmjax.save_pretrained(model, path)
     return model
-
-
-def _free_name(path: str) -> str:
-    candidate, n = path, 1
-    while os.path.exists(candidate):
-        n += 1
-        candidate = f"{path}-{n}"
-    return candidate
 
 
 def _compaction(cfg) -> Compaction | None:

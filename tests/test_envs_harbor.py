@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from envs import harbor
+from envs import harbor_dirs
 from envs.cli import main
 from envs.validate import validate
 from tests.harbor_util import GOOD_SOLVE, GOOD_TEST, write_task
@@ -23,7 +23,7 @@ BROKEN = {  # verifier -> the check that must reject it
 def test_each_check_catches_the_broken_verifier_it_exists_for(tmp_path, name):
     test, check = BROKEN[name]
     # Only the hanging verifier needs a short limit; the others must finish even on a busy machine.
-    task = harbor.load_task(str(write_task(tmp_path, name, test=test, verifier_timeout=1.0 if name == "hangs" else 20.0)))
+    task = harbor_dirs.load_task(str(write_task(tmp_path, name, test=test, verifier_timeout=1.0 if name == "hangs" else 20.0)))
     report = validate(task)
     failed = [c.name for c in report.checks if not c.passed]
     assert report.status == "fail" and check in failed, report.to_dict()
@@ -32,7 +32,7 @@ def test_each_check_catches_the_broken_verifier_it_exists_for(tmp_path, name):
 
 
 def test_good_verifier_passes_all_three(tmp_path):
-    report = validate(harbor.load_task(str(write_task(tmp_path, "good"))))
+    report = validate(harbor_dirs.load_task(str(write_task(tmp_path, "good"))))
     assert report.passed, report.to_dict()
     unfinished = report.to_dict()["checks"]["unfinished"]["probes"]
     cuts = [p for p in unfinished if p["kind"] == "cut" and "reward" in p]
@@ -43,11 +43,11 @@ def test_good_verifier_passes_all_three(tmp_path):
 
 def test_a_one_command_oracle_is_checked_through_its_effect_on_the_files(tmp_path):
     solve = "#!/bin/bash\nprintf 'alpha\\nbeta\\ngamma\\n' > /app/result.txt\n"
-    report = validate(harbor.load_task(str(write_task(tmp_path, "one", solve=solve))))
+    report = validate(harbor_dirs.load_task(str(write_task(tmp_path, "one", solve=solve))))
     assert report.passed, report.to_dict()
     probes = report.to_dict()["checks"]["unfinished"]["probes"]
     assert [(p["kind"], p["reward"]) for p in probes if "reward" in p] == [("state", 0.0)]
-    weak = harbor.load_task(str(write_task(tmp_path, "weak", solve=solve, test=BROKEN["file_exists_only"][0])))
+    weak = harbor_dirs.load_task(str(write_task(tmp_path, "weak", solve=solve, test=BROKEN["file_exists_only"][0])))
     report = validate(weak)  # a half-written result.txt still exists: the weak verifier is caught
     assert report.status == "fail" and not report.checks[2].passed, report.to_dict()
 
@@ -55,7 +55,7 @@ def test_a_one_command_oracle_is_checked_through_its_effect_on_the_files(tmp_pat
 def test_without_any_unfinished_probe_the_verifier_is_rejected(tmp_path):
     solve = "#!/bin/bash\ntouch /app/done\n"  # an empty file: nothing to cut short, nothing before it
     test = "#!/bin/bash\ntest -e /app/done\n"
-    report = validate(harbor.load_task(str(write_task(tmp_path, "empty", solve=solve, test=test))))
+    report = validate(harbor_dirs.load_task(str(write_task(tmp_path, "empty", solve=solve, test=test))))
     assert report.status == "fail" and "no unfinished probe" in report.checks[2].detail, report.to_dict()
 
 
@@ -64,7 +64,7 @@ def test_reward_json_and_exit_status(tmp_path):
     as_json = as_json.replace("echo 0 > /logs/verifier/reward.txt", "echo '{\"reward\": 0}' > /logs/verifier/reward.json")
     by_exit = "#!/bin/bash\n[ \"$(cat /app/result.txt)\" = \"$(printf 'alpha\\nbeta\\ngamma')\" ]\n"
     for name, test, source in (("json", as_json, "reward.json"), ("exit", by_exit, "exit status")):
-        report = validate(harbor.load_task(str(write_task(tmp_path, name, test=test))))
+        report = validate(harbor_dirs.load_task(str(write_task(tmp_path, name, test=test))))
         assert report.passed, report.to_dict()
         assert report.checks[0].probes[0]["source"] == source
 
@@ -73,7 +73,7 @@ def test_dockerfile_is_emulated_and_workdir_mapped(tmp_path):
     docker = "FROM python:3.11-slim\nWORKDIR /workspace\nENV GREETING=hello\nCOPY data/ /workspace/data/\nRUN mkdir -p /workspace/out\n"
     solve = "#!/bin/bash\ncp /workspace/data/in.txt /workspace/out/a.txt\necho $GREETING >> /workspace/out/a.txt\n"
     test = "#!/bin/bash\n[ \"$(cat /workspace/out/a.txt)\" = \"$(printf 'x\\nhello')\" ]\n"
-    task = harbor.load_task(str(write_task(tmp_path, "docker", solve=solve, test=test, dockerfile=docker,
+    task = harbor_dirs.load_task(str(write_task(tmp_path, "docker", solve=solve, test=test, dockerfile=docker,
                                            files={"data/in.txt": "x\n"})))
     assert task.workdir == "/workspace" and task.files == {"data/in.txt": b"x\n"} and task.env == {"GREETING": "hello"}
     assert task.unsupported is None
@@ -92,7 +92,7 @@ def test_environments_that_cannot_be_set_up_are_unsupported(tmp_path, case):
     path = write_task(tmp_path, case, dockerfile=docker, files={"tool": "#!/bin/sh\n"}, test=test)
     if case == "compose":
         (path / "environment" / "docker-compose.yaml").write_text("services:\n  main:\n    build: .\n")
-    report = validate(harbor.load_task(str(path)))
+    report = validate(harbor_dirs.load_task(str(path)))
     assert report.status == "unsupported" and report.reason, report.to_dict()
     named = {"apt": "glmjax-no-such-package", "compose": "docker-compose", "copy_outside": "/usr/local/bin/tool",
              "run_fails": "RUN 'false'", "test_needs_network": "https://example.com/expected.txt"}[case]
@@ -111,17 +111,17 @@ def test_terminal_bench_format(tmp_path):
     (task / "run-tests.sh").write_text("#!/bin/bash\npython3 $TEST_DIR/test_outputs.py\n")
     (task / "tests" / "test_outputs.py").write_text(
         "assert open('/app/result.txt').read() == 'alpha\\nbeta\\ngamma\\n'\n")
-    loaded = harbor.load_task(str(task))
+    loaded = harbor_dirs.load_task(str(task))
     assert loaded.instruction.startswith("Write /app/result.txt") and loaded.difficulty == 3
     assert loaded.verifier_timeout == 30.0 and loaded.test_command == "bash /tests/run-tests.sh"
     assert validate(loaded).passed
 
 
 def test_export_round_trip(tmp_path):
-    original = harbor.load_task(str(write_task(tmp_path / "src", "round")))
+    original = harbor_dirs.load_task(str(write_task(tmp_path / "src", "round")))
     original = original.replace(partials=("#!/bin/bash\necho alpha > /app/result.txt\n",), files={"seed.txt": "s\n"})
-    path = harbor.export_task(original, str(tmp_path / "out"))
-    again = harbor.load_task(path)
+    path = harbor_dirs.export_task(original, str(tmp_path / "out"))
+    again = harbor_dirs.load_task(path)
     assert (again.instruction, again.solution, again.partials, again.difficulty) == \
         (original.instruction, original.solution, original.partials, original.difficulty)
     assert again.files == {"seed.txt": b"s\n"} and set(again.tests) == {"test.sh"}
@@ -160,7 +160,7 @@ def test_an_oracle_failing_on_a_sandbox_limit_is_unsupported_and_says_why(tmp_pa
     test = GOOD_TEST if case != "background_service" else (
         "#!/bin/bash\npython3 -c \"import urllib.request; urllib.request.urlopen('http://127.0.0.1:8765/')\" && "
         "echo 1 > /logs/verifier/reward.txt\n")
-    report = validate(harbor.load_task(str(write_task(tmp_path, case, solve="#!/bin/bash\nset -e\n" + solve, test=test))))
+    report = validate(harbor_dirs.load_task(str(write_task(tmp_path, case, solve="#!/bin/bash\nset -e\n" + solve, test=test))))
     assert report.status == "unsupported" and why in report.reason, report.to_dict()
     assert not report.checks[0].passed  # the checks that ran stay in the report
 
@@ -169,17 +169,17 @@ def test_the_tasks_storage_raises_the_file_size_cap_and_tests_may_write_beside_t
     solve = "#!/bin/bash\nset -e\npython3 -c \"open('/app/big', 'wb').truncate(200 << 20)\"\n" + GOOD_SOLVE.split("\n", 1)[1]
     test = "#!/bin/bash\ntouch /tests/.scratch || exit 3\n" + GOOD_TEST.split("\n", 1)[1]
     path = write_task(tmp_path, "big", solve=solve, test=test)
-    small = validate(harbor.load_task(str(path)))
+    small = validate(harbor_dirs.load_task(str(path)))
     assert small.status == "unsupported" and "larger than the sandbox allows" in small.reason, small.to_dict()
     (path / "task.toml").write_text((path / "task.toml").read_text() + "\n[environment]\nstorage_mb = 1024\n")
-    task = harbor.load_task(str(path))
+    task = harbor_dirs.load_task(str(path))
     assert task.storage_bytes == 1024 << 20
     assert validate(task).passed
 
 
 def test_tests_that_run_a_file_the_agent_can_change_are_noted(tmp_path):
     test = "#!/bin/bash\npython3 /app/check.py && echo 1 > /logs/verifier/reward.txt\n"
-    task = harbor.load_task(str(write_task(tmp_path, "self-check", test=test)))
+    task = harbor_dirs.load_task(str(write_task(tmp_path, "self-check", test=test)))
     assert task.notes[-1].startswith("tests/test.sh runs /app/check.py, which the agent can change")
 
 
@@ -218,7 +218,7 @@ def test_a_terminated_validate_leaves_no_sandbox_behind(tmp_path):
 def test_a_check_that_crashes_is_that_tasks_error_report_and_the_run_goes_on(tmp_path, monkeypatch):
     from envs import validate as validate_module
 
-    good, bad = (harbor.load_task(str(write_task(tmp_path, name))) for name in ("good", "crashes"))
+    good, bad = (harbor_dirs.load_task(str(write_task(tmp_path, name))) for name in ("good", "crashes"))
     real = validate_module.prepare
 
     def prepare(sandbox, task):

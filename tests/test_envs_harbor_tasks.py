@@ -4,7 +4,7 @@
 import json
 import os
 
-from envs import harbor, host_tools
+from envs import harbor_dirs, host_tools
 from envs.cli import main
 
 TASKS = os.path.join(os.path.dirname(__file__), "harbor_tasks")
@@ -52,7 +52,7 @@ def test_each_task_gets_the_right_verdict(tmp_path, capsys):
 
 def test_the_whole_solution_folder_is_copied_and_its_error_shown(tmp_path):
     src = os.path.join(TASKS, "warehouse-totals")
-    task = harbor.load_task(src)
+    task = harbor_dirs.load_task(src)
     assert set(task.solution_files) == {"solve.py"} and "solve.py" in task.solution
     assert set(task.tests) == {"test.sh", "test_outputs.py"} and task.files.keys() == {"inventory.csv"}
     broken = task.replace(solution_files={"solve.py": b"import sys\nsys.exit('no inventory parser yet')\n"})
@@ -65,7 +65,7 @@ def test_the_whole_solution_folder_is_copied_and_its_error_shown(tmp_path):
 def test_a_multi_step_task_runs_step_by_step(tmp_path):
     from envs.shell import ShellEnv
 
-    task = harbor.load_task(os.path.join(TASKS, "release-notes"))
+    task = harbor_dirs.load_task(os.path.join(TASKS, "release-notes"))
     assert [s.id for s in task.steps] == ["release-notes.01-group", "release-notes.02-render"]
     assert task.steps[0].min_reward == 1.0 and task.step_reward == "mean"
     env = ShellEnv()
@@ -85,7 +85,7 @@ def test_a_multi_step_task_runs_step_by_step(tmp_path):
         assert done and reward == 0.5 and info["step_rewards"] == [1.0, 0.0], info
     finally:
         env.close()
-    again = harbor.load_task(harbor.export_task(task, str(tmp_path)))
+    again = harbor_dirs.load_task(harbor_dirs.export_task(task, str(tmp_path)))
     assert [(s.id, s.instruction, s.solution, s.min_reward) for s in again.steps] == \
         [(s.id, s.instruction, s.solution, s.min_reward) for s in task.steps]
 
@@ -98,7 +98,7 @@ def test_a_weak_step_verifier_fails_the_unfinished_check(tmp_path):
     copy = shutil.copytree(os.path.join(TASKS, "release-notes"), tmp_path / "release-notes")
     (copy / "steps" / "02-render" / "tests" / "test.sh").write_text(
         "#!/bin/bash\ngrep -q '^## Features' /app/RELEASE.md && echo 1 > /logs/verifier/reward.txt\n")
-    report = validate(harbor.load_task(str(copy)))
+    report = validate(harbor_dirs.load_task(str(copy)))
     assert report.status == "fail" and not report.checks[2].passed, report.to_dict()
     failed = [p for p in report.checks[2].probes if p.get("reward")]
     assert failed and all(p["step"] == "release-notes.02-render" for p in failed)
