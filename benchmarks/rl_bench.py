@@ -71,12 +71,13 @@ def throughput_arm(workdir, base, eta, batch, args) -> dict:
     rng = np.random.default_rng(args.seed)
     lengths = {}
 
-    def lognormal_rollout(task, rid, compaction):
+    def lognormal_rollout(task, rid):
         prompt = ro.encode(task.prompt)
         if rid not in lengths:
             room = args.max_len - 1 - len(prompt)
             lengths[rid] = int(np.clip(round(rng.lognormal(np.log(args.median_len), args.sigma)), 1, room))
-        return Rollout(prompt, lengths[rid], temperature=cfg.rl.temperature, seed=rid)  # no stop: the drawn length
+        inner = Rollout(prompt, lengths[rid], temperature=cfg.rl.temperature, seed=rid)  # no stop: the drawn length
+        return ro.TextRollout(task, inner)
 
     wd = _fresh(pathlib.Path(workdir), base)
     trainer.run(cfg, str(wd), make_rollout=lognormal_rollout)

@@ -6,6 +6,9 @@
     obs, reward, done, info = env.step('<submit/>')   # tests run now; reward is final
     env.close()
 
+Actions are read in ``action_format`` (``envs/tool_calls.py``: ``"bash"`` tags or GLM's
+``"glm"`` tool calls); ``finish()`` ends an episode whose agent ran out of budget.
+
 The episode ends at ``<submit/>``, after ``max_turns`` actions, or when the task's agent
 time (``HarborTask.agent_timeout``, summed over commands) is spent; the tests are copied
 in and run only then. A multi-step task (``HarborTask.steps``) goes step by step: when a
@@ -25,7 +28,8 @@ from __future__ import annotations
 import random
 from typing import Callable
 
-from envs.base import ACTION_HELP, Step, Transcript, Turn, parse_action
+from envs import tool_calls
+from envs.base import ACTION_HELP, Step, Transcript, Turn
 from envs.harbor import HarborTask, Verdict, prepare, run_tests, stops_after, task_env, task_limits, trial_reward
 from envs.sandbox import Limits, Sandbox, SandboxError
 
@@ -42,7 +46,9 @@ def clip(text: str, limit: int) -> str:
 class ShellEnv:
     def __init__(self, *, limits: Limits = Limits(wall_seconds=20.0), max_turns: int = 16,
                  observation_bytes: int = 4096, network: str = "none", filesystem: str = "auto",
-                 noise: Callable[[str, random.Random], str] | None = None, seed: int = 0, show_help: bool = True):
+                 noise: Callable[[str, random.Random], str] | None = None, seed: int = 0, show_help: bool = True,
+                 action_format: str = "bash"):
+        self.parse = tool_calls.parser(action_format)
         self.limits, self.max_turns, self.observation_bytes = limits, max_turns, observation_bytes
         self.sandbox_args = {"network": network, "filesystem": filesystem}
         self.noise, self.rng, self.show_help = noise, random.Random(seed), show_help
@@ -73,7 +79,7 @@ class ShellEnv:
         if self.task is None:
             raise RuntimeError("ShellEnv.step before reset (or after the episode ended)")
         self.turns += 1
-        parsed = parse_action(action)
+        parsed = self.parse(action)
         self.transcript.add("model", action)
         self.stats["actions"] += 1
         self.stats["parsed"] += parsed.parsed
@@ -103,6 +109,19 @@ class ShellEnv:
                 return self._end_step({"answer": parsed.answer, "submitted": parsed.submit}, observation)
             return self._finish(None, {"answer": parsed.answer, "submitted": parsed.submit}, observation)
         return Step(observation, 0.0, False, {"parsed": parsed.parsed})
+
+    def finish(self) -> Step:
+        """Ends the episode now (the agent's token or time budget is spent): the tests run
+        on the working directory as it is."""
+        if self.task is None:
+            raise RuntimeError("ShellEnv.finish before reset (or after the episode ended)")
+        if not self.task.steps:
+            return self._finish(None, {"submitted": False})
+        try:  # the current step's tests; the steps not reached count as theirs would
+            self.step_rewards.append(run_tests(self.sandbox, self.current).reward)
+        except SandboxError as err:
+            return self._finish(0.0, {"error": str(err)})
+        return self._finish(trial_reward(self.task, self.step_rewards), {"submitted": False})
 
     def _end_step(self, info: dict, observation: str) -> Step:
         """A multi-step task's step is over: its tests run; the next step's instruction is

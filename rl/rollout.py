@@ -1,4 +1,13 @@
-"""Rollouts: trajectories from the engine, staleness-aware admission, and learner batches.
+"""Rollouts: the protocol the collector drives, trajectories, staleness-aware admission,
+and learner batches.
+
+A rollout is a state machine over two kinds of work (`Rollout.next()`): a model turn for
+the engine (a `Request`, answered by `receive(result)`) or blocking environment work (a
+callable: a shell command, a verifier) that the collector runs in a worker pool, off the
+thread that drives generation. `None` means done: `reward` is set (or `finish_reason`
+says why there is none) and `trajectories` gives the learner rows. One-turn tasks
+(`TextRollout`), compacted answers (`rl/compaction.py`) and multi-turn episodes
+(`rl/episode.py`) implement it; the trainer's loop does not know which it runs.
 
 Admission control (AReaL, arXiv 2505.24298) decides how many new rollouts may start, so
 that no accepted sample is more than `eta` policy versions behind without discarding
@@ -14,12 +23,16 @@ dropped (GLM-5), as is one whose environment crashed.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Protocol, Union
 
 import jax.numpy as jnp
 import numpy as np
 
 from rl import sao
+from rl.driver import Request, Result
+
+EnvWork = Callable[[], None]
 
 
 @dataclasses.dataclass
@@ -44,6 +57,58 @@ class Trajectory:
 
     def staleness(self, version: int) -> int:
         return version - min(self.versions) if self.versions else 0
+
+
+class Rollout(Protocol):
+    """What the collector drives (module docstring)."""
+
+    reward: float | None
+    finish_reason: str | None  # set once done: "stop" | "length" | "error" | ...
+
+    def next(self) -> Union[Request, EnvWork, None]: ...
+
+    def receive(self, result: Result) -> None: ...
+
+    def trajectories(self, rollout_id: int, **meta) -> list[Trajectory]: ...
+
+    def close(self) -> None: ...
+
+
+class TextRollout:
+    """A one-turn task: the engine writes the answer (compacting when configured: `inner` is
+    a `rl.compaction.Rollout`), then the task's verifier scores the transcript."""
+
+    def __init__(self, task, inner):
+        self.task, self.inner = task, inner
+        self.reward: float | None = None
+        self.finish_reason: str | None = None
+
+    def next(self):
+        if not self.inner.done:
+            return self.inner.request()
+        if self.inner.finish_reason in ("error", "cancelled"):
+            self.finish_reason = self.inner.finish_reason
+            return None
+        if self.reward is None:
+            return self._verify
+        return None
+
+    def _verify(self) -> None:
+        self.reward = float(self.task.verify(self.inner.text))
+        self.finish_reason = self.inner.finish_reason
+
+    def receive(self, result: Result) -> None:
+        self.inner.receive(result)
+
+    @property
+    def text(self) -> str:
+        return self.inner.text
+
+    def trajectories(self, rollout_id: int, **meta) -> list[Trajectory]:
+        return self.inner.trajectories(self.reward, rollout_id, **meta)
+
+    def close(self) -> None:
+        pass
 
 
 class Admission:

@@ -1,16 +1,21 @@
 """The SAO post-training job in one process: rollouts and learning side by side.
 
-    glmjax-train --config configs/sao_tiny.py --workdir /tmp/sao
+    glmjax-train --config configs/sao_tiny.py --workdir /tmp/sao              # one-turn answers
+    glmjax-train --config configs/sao_agent_tiny.py --workdir /tmp/agent      # multi-turn episodes
 
-  1. base model: supervised training on demonstrations of the task family (cached in
-     workdir/base, so a second run starts from it);
-  2. held-out evaluation of the base (greedy, exact-answer verifier);
+  1. base model: supervised training on demonstrations (oracle answers, or oracle
+     episodes: the demonstration's commands and the observations they really print, the
+     observations not in the loss), cached in workdir/base, so a second run starts from it;
+  2. held-out evaluation of the base (greedy);
   3. SAO: the engine's driver generates in a background thread from the WeightStore's
-     newest weights while this thread admits rollouts (staleness eta), scores them,
-     drops those older than tau versions, and trains on each batch of B;
-     every update is published to the WeightStore by reference;
+     newest weights; the collector (rl/collector.py) admits rollouts (staleness eta),
+     runs their environment work in a worker pool, scores them and drops those older
+     than tau versions; each batch of B trains one learner step, published to the
+     WeightStore by reference;
   4. held-out evaluation again; workdir/summary.json and a before/after table.
-Metrics go to tensorboardX (workdir/tb) and a progress bar.
+The loop does not know what kind of rollout it runs (rl/rollout.py: one-turn answers,
+compacted answers, episodes; rl/tasks.py makes them). Metrics go to tensorboardX
+(workdir/tb), workdir/metrics.jsonl and a progress bar.
 
 Checkpoints (workdir/checkpoints, rl/checkpoint.py) are written every
 `checkpoint_every` steps; a rerun in the same workdir resumes from the newest one that
@@ -22,7 +27,7 @@ the work after it, which the resumed run redoes, once.
 
 from __future__ import annotations
 
-import collections
+import concurrent.futures
 import json
 import logging
 import os
@@ -35,18 +40,22 @@ from tqdm.auto import tqdm
 
 import glmjax
 from envs import families
+from envs.base import is_full
 from glmjax import presets
 from glmjax import train as lm_train
 from rl import rollout as ro
+from rl import tasks as rl_tasks
+from rl.chat import ByteChat
 from rl.checkpoint import LoopCheckpointer, set_aside
-from rl.compaction import Compaction, Rollout, oracle_segments
+from rl.collector import Collector, drive
+from rl.compaction import Compaction, oracle_segments
 from rl.driver import Driver
 from rl.engine import GlmEngine
 from rl.learner import ALGORITHMS, Learner, ValueModel
 from rl.weights import WeightStore
 
 log = logging.getLogger(__name__)
-STOP = ro.encode("\n")
+STOP = rl_tasks.STOP
 
 
 def demonstrations(tasks, seq_len: int, compaction: Compaction | None = None):
@@ -54,22 +63,43 @@ def demonstrations(tasks, seq_len: int, compaction: Compaction | None = None):
     one row per segment of the oracle's compacted rollout (summaries included)."""
     rows = [seg for task in tasks
             for seg in oracle_segments(ro.encode(task.prompt), ro.encode(task.oracle()), compaction)]
+    return _sft_arrays([(s.prompt, s.completion, s.observation_mask) for s in rows], seq_len)
+
+
+def episode_demonstrations(cfg, tasks):
+    """SFT arrays from oracle episodes (rl/tasks.py: oracle_episode), run in the env pool:
+    loss on the model's tokens, not on the observations."""
+    window = cfg.task.max_len - 1
+
+    def one(task):
+        episode = rl_tasks.oracle_episode(task, rl_tasks.make_env(cfg), ByteChat(), window)
+        return [(tr.prompt, tr.completion, tr.observation_mask or [0] * len(tr.completion))
+                for tr in episode.trajectories(0)]
+
+    with concurrent.futures.ThreadPoolExecutor(cfg.env.workers) as pool:
+        rows = [row for rows in tqdm(pool.map(one, tasks), total=len(tasks), desc="oracle episodes", mininterval=1.0)
+                for row in rows]
+    return _sft_arrays(rows, cfg.base.seq_len)
+
+
+def _sft_arrays(rows, seq_len: int):
     ids = np.zeros((len(rows), seq_len), np.int32)
     mask = np.zeros((len(rows), seq_len), np.float32)
-    for i, seg in enumerate(rows):
-        p, n = len(seg.prompt), len(seg.completion)
+    for i, (prompt, completion, observation) in enumerate(rows):
+        p, n = len(prompt), len(completion)
         if p + n > seq_len:
-            raise ValueError(f"a demonstration of {p + n} tokens ({ro.decode(seg.prompt + seg.completion)!r}) is "
+            raise ValueError(f"a demonstration of {p + n} tokens ({ro.decode(prompt + completion)!r}) is "
                              f"longer than base.seq_len={seq_len}: raise it, or enable rl.compaction")
-        ids[i, :p + n] = seg.prompt + seg.completion
-        mask[i, p:p + n] = 1 - np.asarray(seg.observation_mask, np.float32)
+        ids[i, :p + n] = list(prompt) + list(completion)
+        mask[i, p:p + n] = 1 - np.asarray(observation, np.float32)
     return ids, mask
 
 
-def build_base(cfg, workdir: str) -> glmjax.GlmForCausalLM:
+def build_base(cfg, workdir: str, demo_tasks=()) -> glmjax.GlmForCausalLM:
     """The supervised starting point, trained once and cached in workdir/base. A cache
     that does not read (a truncated weight file) is moved aside to base.corrupt, with a
-    warning, and the base is trained again: it is the same model for the same config."""
+    warning, and the base is trained again: it is the same model for the same config.
+    `demo_tasks`: the tasks whose oracle episodes an agentic base learns from."""
     path = os.path.join(workdir, "base")
     if os.path.exists(os.path.join(path, "config.json")):
         log.info("loading the cached base model from %s", path)
@@ -81,9 +111,12 @@ def build_base(cfg, workdir: str) -> glmjax.GlmForCausalLM:
                         path, type(err).__name__, " ".join(str(err).split())[:300], aside)
     model_cfg = presets.model_config_from(cfg)
     model = glmjax.init_model(model_cfg, seed=cfg.base.seed)
-    tasks = families.make_tasks(cfg.task.family, cfg.base.demonstrations, seed=cfg.base.seed,
-                                difficulty=cfg.task.difficulty)
-    ids, mask = demonstrations(tasks, cfg.base.seq_len, _compaction(cfg))
+    if rl_tasks.agentic(cfg):
+        ids, mask = episode_demonstrations(cfg, demo_tasks)
+    else:
+        tasks = families.make_tasks(cfg.task.family, cfg.base.demonstrations, seed=cfg.base.seed,
+                                    difficulty=cfg.task.difficulty)
+        ids, mask = demonstrations(tasks, cfg.base.seq_len, _compaction(cfg))
     opt = lm_train.make_optimizer(dict(cfg.base), model)
     rng = np.random.default_rng(cfg.base.seed)
     for _ in tqdm(range(cfg.base.steps), desc="base model (SFT)", mininterval=1.0):
@@ -94,39 +127,46 @@ def build_base(cfg, workdir: str) -> glmjax.GlmForCausalLM:
     return model
 
 
-def _compaction(cfg) -> Compaction | None:
-    # the engine serves max_len - 1 tokens: it keeps one cache entry for the step's write
-    return Compaction.from_config(cfg.rl.get("compaction"), window=cfg.task.max_len - 1)
-
-
-def _budget(prompt, max_new_tokens: int, window: int, compaction: Compaction | None) -> int:
-    """Answer tokens a rollout may write: without compaction, what the window leaves."""
-    return max_new_tokens if compaction else max(1, min(max_new_tokens, window - len(prompt)))
+_compaction = rl_tasks.compaction
 
 
 def _prefill_buckets(engine: GlmEngine, tasks, compaction: Compaction | None) -> tuple[int, ...]:
     """The prefill lengths a job uses: up to its longest prompt's bucket; with compaction
-    every bucket (a continuation prompt holds a summary and can have any length)."""
-    if compaction:
+    or episodes every bucket (a continuation holds a summary or a history of any length)."""
+    if compaction or not all(hasattr(t, "prompt") for t in tasks):
         return engine.buckets
     longest = engine.bucket(max(len(ro.encode(t.prompt)) for t in tasks))
     return tuple(b for b in engine.buckets if b <= longest)
 
 
+def evaluate_rollouts(driver: Driver, rollouts, workers: int = 4) -> dict:
+    """Runs rollouts to the end (rl/collector.py: drive) and returns the pass rate (full
+    reward; a rollout without one fails), turns per episode and the seconds spent."""
+    start = time.time()
+    drive(driver, rollouts, workers=workers)
+    rewards = [r.reward if r.reward is not None else 0.0 for r in rollouts]
+    turns = [r.turns for r in rollouts if hasattr(r, "turns")]
+    return {"pass_rate": float(np.mean([is_full(x) for x in rewards])), "reward": float(np.mean(rewards)),
+            "turns": float(np.mean(turns)) if turns else 1.0, "seconds": time.time() - start,
+            "failed": sum(r.reward is None for r in rollouts)}
+
+
 def evaluate(driver: Driver, tasks, max_new_tokens: int, compaction: Compaction | None = None) -> float:
-    """Greedy pass rate over tasks (compacting, as in training, when configured)."""
+    """Greedy pass rate of one-turn tasks (compacting, as in training, when configured)."""
     window = driver.engine.max_len - driver.engine.num_draft - 1  # what the engine serves per request
     rollouts = []
     for i, t in enumerate(tasks):
         prompt = ro.encode(t.prompt)
-        rollouts.append(Rollout(prompt, _budget(prompt, max_new_tokens, window, compaction), compaction=compaction,
-                                stop_ids=STOP, session_id=f"eval-{i}" if compaction else None))
-    while not all(r.done for r in rollouts):
-        handles = [(r, driver.submit(r.request())) for r in rollouts if not r.done]
-        driver.run_until_idle()
-        for r, h in handles:
-            r.receive(h.result())
-    return float(np.mean([t.verify(r.text) for t, r in zip(tasks, rollouts)]))
+        inner = rl_tasks.Rollout(prompt, rl_tasks.budget(prompt, max_new_tokens, window, compaction),
+                                 compaction=compaction, stop_ids=STOP, session_id=f"eval-{i}" if compaction else None)
+        rollouts.append(ro.TextRollout(t, inner))
+    return evaluate_rollouts(driver, rollouts)["pass_rate"]
+
+
+def _evaluate(cfg, driver: Driver, tasks, **kw) -> dict:
+    make = rl_tasks.RolloutFactory(cfg, driver.engine.max_len - driver.engine.num_draft - 1, greedy=True, **kw)
+    return evaluate_rollouts(driver, [make(t, i, session="eval") for i, t in enumerate(tasks)],
+                             workers=cfg.env.workers if "env" in cfg else 4)
 
 
 class TaskStream:
@@ -153,9 +193,21 @@ def check_config(cfg) -> None:
     """Raises ValueError naming the first field of an RL config that the job cannot run, so
     that a mistyped value stops the job before the base model trains rather than after."""
     rl, task = cfg.rl, cfg.task
-    if task.family not in families.TEXT:
-        raise ValueError(f"task.family={task.family!r} is not a text task family: expected one of "
-                         f"{sorted(families.TEXT)}")
+    if task.get("harbor_dir"):
+        if not os.path.isdir(task.harbor_dir):
+            raise ValueError(f"task.harbor_dir={task.harbor_dir!r} is not a directory")
+    elif task.family not in families.TEXT and task.family not in families.SANDBOX:
+        raise ValueError(f"task.family={task.family!r} is unknown: expected a text family {sorted(families.TEXT)} "
+                         f"or a sandboxed one {sorted(families.SANDBOX)} (or task.harbor_dir=DIR)")
+    if rl_tasks.agentic(cfg):
+        if "env" not in cfg:
+            raise ValueError("an agentic job (sandboxed tasks) needs an `env` section: see configs/sao_agent_tiny.py")
+        if cfg.model.vocab_size < ByteChat.vocab_size:
+            raise ValueError(f"model.vocab_size={cfg.model.vocab_size} has no room for the chat role tokens: "
+                             f"episodes need >= {ByteChat.vocab_size} (rl/chat.py)")
+        from envs.tool_calls import parser
+
+        parser(cfg.env.action_format)
     if task.difficulty is not None and not 1 <= task.difficulty <= 5:
         raise ValueError(f"task.difficulty={task.difficulty!r} is invalid: expected 1..5, or None for all")
     if task.max_len > cfg.model.max_position_embeddings:
@@ -175,19 +227,56 @@ def check_config(cfg) -> None:
     _compaction(cfg)  # Compaction validates its own fields
 
 
+class _Log:
+    """Where a step's metrics go: tensorboard, workdir/metrics.jsonl, the progress bar."""
+
+    def __init__(self, workdir: str, steps: int, initial: int):
+        from tensorboardX import SummaryWriter
+
+        self.writer = SummaryWriter(os.path.join(workdir, "tb"))
+        self.history = open(os.path.join(workdir, "metrics.jsonl"), "a")
+        self.bar = tqdm(total=steps, initial=initial, desc="SAO", mininterval=1.0)
+
+    def step(self, step: int, row: dict, metrics: dict, staleness) -> None:
+        for k, v in metrics.items():
+            self.writer.add_scalar(f"train/{k}", v, step)
+        self.history.write(json.dumps({"step": step, **row, **metrics}) + "\n")
+        self.history.flush()
+        self.writer.add_histogram("train/staleness", np.asarray(staleness), step)
+        self.bar.update(1)
+        self.bar.set_postfix(reward=f"{metrics['reward']:.2f}", vloss=f"{metrics.get('value_loss', 0):.3f}")
+
+    def eval(self, metrics: dict, step: int) -> None:
+        for k, v in metrics.items():
+            self.writer.add_scalar(f"eval/{k}", v, step)
+
+    def close(self) -> None:
+        self.bar.close()
+        self.writer.close()
+        self.history.close()
+
+
+def _learn(learner: Learner, batch, cfg, rows: int) -> dict:
+    """One learner step on a batch (GRPO: rows of one prompt share a group id; padding
+    rows are groups of their own)."""
+    group = cfg.rl.get("group_size", 1)
+    group_ids = None
+    if group > 1:
+        names = [tr.rollout_id // group for tr in batch] + [-1 - i for i in range(rows - len(batch))]
+        group_ids = np.unique(names, return_inverse=True)[1]
+    return learner.step(ro.to_batch(batch, length=cfg.task.max_len, rows=rows), group_ids=group_ids)
+
+
 def run(cfg, workdir: str, make_rollout=None) -> dict:
-    """The job (module docstring). `make_rollout(task, rollout_id, compaction)` -> Rollout
-    replaces the default (the task's prompt, the config's sampling), e.g. for benchmarks
-    that fix the generation lengths."""
+    """The job (module docstring). `make_rollout(task, rollout_id)` -> a rollout
+    (rl/rollout.py) replaces the default (rl/tasks.py: the task's prompt or episode, the
+    config's sampling), e.g. for benchmarks that fix the generation lengths."""
     check_config(cfg)
     os.makedirs(workdir, exist_ok=True)
     start = time.time()
     rl = cfg.rl
-    policy = build_base(cfg, workdir)
-    heldout = families.make_tasks(cfg.task.family, cfg.task.eval_tasks, seed=cfg.task.seed + 1, split="heldout",
-                                  difficulty=cfg.task.difficulty)
-    train_tasks = families.make_tasks(cfg.task.family, cfg.task.train_tasks, seed=cfg.task.seed,
-                                      difficulty=cfg.task.difficulty)
+    train_tasks, heldout, excluded = rl_tasks.task_sets(cfg, workdir)
+    policy = build_base(cfg, workdir, demo_tasks=train_tasks[:cfg.base.demonstrations])
     critic = ValueModel(nnx.clone(policy)) if rl.algorithm in ("sao", "ppo") else None
     learner = Learner(policy, critic, dict(rl))
     store = WeightStore(nnx.state(policy))
@@ -208,83 +297,40 @@ def run(cfg, workdir: str, make_rollout=None) -> dict:
         if resumed["version"] > store.version:  # a run killed before its first update stays at 0
             store.publish(nnx.state(policy), resumed["version"])
     before = resumed or {}  # the totals of the processes before this one, up to the checkpoint
-    earlier = {k: before.get(k, 0.0) for k in ("wall_seconds", "warmup_seconds", "rl_seconds")}
-    writer = _writer(workdir)
-    history = open(os.path.join(workdir, "metrics.jsonl"), "a")
+    earlier = {k: before.get(k, 0.0) for k in ("wall_seconds", "warmup_seconds", "rl_seconds", "env_seconds")}
+    logs = _Log(workdir, rl.steps, learner.steps)
 
-    base_rate = resumed["base_pass_rate"] if resumed else evaluate(driver, heldout, cfg.task.max_new_tokens,
-                                                                   compaction)
-    print(f"base model: held-out pass rate {base_rate:.1%} on {len(heldout)} tasks", flush=True)
+    base = resumed["base_eval"] if resumed and "base_eval" in resumed else _evaluate(cfg, driver, heldout)
+    print(f"base model: held-out pass rate {base['pass_rate']:.1%} on {len(heldout)} tasks", flush=True)
     if not resumed:
-        writer.add_scalar("eval/pass_rate", base_rate, 0)
+        logs.eval(base, 0)
 
-    def default_rollout(task, rid, compaction):
-        prompt = ro.encode(task.prompt)
-        return Rollout(prompt, _budget(prompt, cfg.task.max_new_tokens, cfg.task.max_len - 1, compaction),
-                       compaction=compaction, stop_ids=STOP, temperature=rl.temperature, seed=rng_seed + rid,
-                       session_id=f"rollout-{rid}" if compaction else None)
-
-    make_rollout = make_rollout or default_rollout
+    window = cfg.task.max_len - 1
+    make = make_rollout or rl_tasks.RolloutFactory(cfg, window)
+    group = rl.get("group_size", 1)  # GRPO-style baselines sample G rollouts per prompt
+    collector = Collector(driver, admission, make, stream, group_size=group, tau=rl.tau,
+                          workers=cfg.env.workers if "env" in cfg else 2,
+                          env_timeout=cfg.env.episode_seconds if "env" in cfg else 600.0)
+    collector.dropped.update(before.get("dropped", {}))
     driver.start()
     loop_start = time.time()
-    pending, dropped = {}, collections.Counter(before.get("dropped", {}))
-    groups = collections.defaultdict(list)  # group id -> its finished rollouts (None where dropped)
-    ready = []  # complete groups, each a list of rollouts, each a list of segments
-    step, rollouts, rng_seed = learner.steps, before.get("rollouts", 0), cfg.seed * 1_000_003
-    group = rl.get("group_size", 1)  # GRPO-style baselines sample G rollouts per prompt
+    step, rollouts = learner.steps, before.get("rollouts", 0)
     yields = rl.get("generation_yields", True)
     rows = rl.batch_size * (compaction.max_segments if compaction else 1)  # one learner shape
-    bar = tqdm(total=rl.steps, initial=step, desc="SAO", mininterval=1.0)
     busy, last_step_at = before.get("learner_seconds", 0.0), time.time()
     while step < rl.steps:
-        while admission.capacity(store.version) >= group:
-            task = next(stream)
-            for _ in range(group):  # a group's ids are consecutive: rid // group names it
-                rid = admission.issued
-                r = make_rollout(task, rid, compaction)
-                pending[driver.submit(r.request())] = (task, r, rid)
-                admission.started()
-        for h in [h for h in pending if h.done()]:
-            task, r, rid = pending.pop(h)
-            r.receive(h.result())
-            if not r.done:  # compaction: the summary, or the next segment
-                pending[driver.submit(r.request())] = (task, r, rid)
-                continue
-            segments = None
-            if r.finish_reason == "error":
-                dropped["error"] += 1
-            else:
-                segments = r.trajectories(task.verify(r.text), rid, task_id=task.id, difficulty=task.difficulty)
-                if max(tr.staleness(store.version) for tr in segments) > rl.tau:
-                    segments, dropped["stale"] = None, dropped["stale"] + 1
-            admission.finished(segments is not None)
-            members = groups[rid // group]
-            members.append(segments)
-            if len(members) == group:  # the group is complete: its kept rollouts go to the learner
-                kept = sorted((m for m in members if m is not None), key=lambda m: m[0].rollout_id)
-                if kept:
-                    ready.append(kept)
-                del groups[rid // group]
-        if sum(map(len, ready)) < rl.batch_size:
+        collector.poll(store.version)
+        batch = collector.take(rl.batch_size)
+        if batch is None:
             driver.resume()
             time.sleep(0.002)
             continue
-        ready.sort(key=lambda g: g[0][0].rollout_id)  # admission order, not finishing order: replayable
-        take, n = 0, 0
-        while take < len(ready) and n + len(ready[take]) <= rl.batch_size:
-            n, take = n + len(ready[take]), take + 1
-        batch = [tr for g in ready[:take] for rollout in g for tr in rollout]
-        ready = ready[take:]
-        if yields and sum(map(len, ready)) >= rl.batch_size:
+        if yields and collector.ready_rollouts() >= rl.batch_size:
             driver.pause()  # the next batch is complete too: generation waits while this one trains
         else:
             driver.resume()
         t0 = time.time()
-        group_ids = None
-        if group > 1:  # padding rows are groups of their own
-            names = [tr.rollout_id // group for tr in batch] + [-1 - i for i in range(rows - len(batch))]
-            group_ids = np.unique(names, return_inverse=True)[1]
-        metrics = learner.step(ro.to_batch(batch, length=cfg.task.max_len, rows=rows), group_ids=group_ids)
+        metrics = _learn(learner, batch, cfg, rows)
         store.publish(nnx.state(policy))
         learner_s = time.time() - t0
         busy += learner_s
@@ -293,48 +339,52 @@ def run(cfg, workdir: str, make_rollout=None) -> dict:
         staleness = [tr.staleness(store.version - 1) for tr in batch]
         if compaction:
             metrics["segments_per_rollout"] = len(batch) / len(last)
+        finished = collector.drain_finished()
+        turns = [r.turns for _, r in finished if hasattr(r, "turns")]
+        if turns:
+            metrics["turns_per_episode"] = float(np.mean(turns))
         now = time.time()
         metrics["tokens_per_s"] = sum(len(tr.completion) for tr in batch) / max(now - last_step_at, 1e-9)
         last_step_at = now
+        loop_s = earlier["rl_seconds"] + now - loop_start
         metrics.update(reward=float(np.mean([tr.reward for tr in last])), staleness_mean=float(np.mean(staleness)),
-                       learner_s=learner_s,
-                       learner_busy_fraction=busy / max(earlier["rl_seconds"] + time.time() - loop_start, 1e-9))
-        for k, v in metrics.items():
-            writer.add_scalar(f"train/{k}", v, step)
-        history.write(json.dumps({"step": step, "version": store.version, "time": time.time() - start,
-                                  "tasks": [tr.task_id for tr in last], **metrics}) + "\n")
-        history.flush()
-        writer.add_histogram("train/staleness", np.asarray(staleness), step)
-        bar.update(1)
-        bar.set_postfix(reward=f"{metrics['reward']:.2f}", vloss=f"{metrics.get('value_loss', 0):.3f}")
+                       learner_s=learner_s, learner_busy_fraction=busy / max(loop_s, 1e-9),
+                       env_seconds_per_rollout=(earlier["env_seconds"] + collector.env_seconds) / max(rollouts, 1))
+        logs.step(step, {"version": store.version, "time": now - start, "tasks": [tr.task_id for tr in last]},
+                  metrics, staleness)
         if step % cfg.checkpoint_every == 0 or step == rl.steps:
             now = time.time()
             ckpt.save(step, policy=policy, critic=critic, learner=learner, stream=stream, admission=admission,
-                      version=store.version, base_pass_rate=base_rate, rollouts=rollouts, dropped=dict(dropped),
-                      learner_seconds=busy, rl_seconds=earlier["rl_seconds"] + now - loop_start,
+                      version=store.version, base_pass_rate=base["pass_rate"], base_eval=base, rollouts=rollouts,
+                      dropped=dict(collector.dropped), learner_seconds=busy,
+                      rl_seconds=earlier["rl_seconds"] + now - loop_start,
+                      env_seconds=earlier["env_seconds"] + collector.env_seconds,
                       warmup_seconds=earlier["warmup_seconds"] + warmup_seconds,
                       wall_seconds=earlier["wall_seconds"] + now - start)
-    bar.close()
     rl_seconds = max(earlier["rl_seconds"] + time.time() - loop_start, 1e-9)
-    for h in pending:
-        h.cancel()
+    env_seconds = earlier["env_seconds"] + collector.env_seconds
+    collector.close()
     driver.stop()
     ckpt.wait()
 
     # the training engine (compiled once) serves the final weights, the store's newest
-    final_rate = evaluate(Driver(engine), heldout, cfg.task.max_new_tokens, compaction)
-    writer.add_scalar("eval/pass_rate", final_rate, step)
-    summary = {"base_pass_rate": base_rate, "final_pass_rate": final_rate, "steps": step, "rollouts": rollouts,
-               "algorithm": rl.algorithm, "eta": rl.eta, "dropped": dict(dropped), "heldout_tasks": len(heldout),
+    final = _evaluate(cfg, Driver(engine), heldout)
+    logs.eval(final, step)
+    summary = {"base_pass_rate": base["pass_rate"], "final_pass_rate": final["pass_rate"], "steps": step,
+               "rollouts": rollouts, "algorithm": rl.algorithm, "eta": rl.eta, "dropped": dict(collector.dropped),
+               "heldout_tasks": len(heldout), "train_tasks": len(train_tasks), "excluded_tasks": excluded,
                "wall_seconds": earlier["wall_seconds"] + time.time() - start,
                "warmup_seconds": earlier["warmup_seconds"] + warmup_seconds, "rl_seconds": rl_seconds,
                "learner_busy_fraction": busy / rl_seconds,
-               "relative_gain": (final_rate - base_rate) / max(base_rate, 1e-9),
+               "relative_gain": (final["pass_rate"] - base["pass_rate"]) / max(base["pass_rate"], 1e-9),
                "resumed_from_step": resumed["step"] if resumed else None}
+    if rl_tasks.agentic(cfg):
+        summary.update(base_turns_per_episode=base["turns"], final_turns_per_episode=final["turns"],
+                       env_seconds=env_seconds,
+                       env_time_fraction=collector.env_seconds / max(collector.rollout_seconds, 1e-9))
     with open(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
-    writer.close()
-    history.close()
+    logs.close()
     print(format_table(summary), flush=True)
     return summary
 
@@ -348,9 +398,3 @@ def format_table(s: dict) -> str:
     lines += [f"{a:{width}}  {b:>10}  {c:>12}" for a, b, c in rows]
     lines.append(f"{s['steps']} steps, {s['rollouts']} rollouts, {s['wall_seconds']:.0f} s")
     return "\n".join(lines)
-
-
-def _writer(workdir):
-    from tensorboardX import SummaryWriter
-
-    return SummaryWriter(os.path.join(workdir, "tb"))

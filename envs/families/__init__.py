@@ -17,7 +17,8 @@ byte-level model; ``envs/families/procedural.py``): ``arithmetic`` (``"12+7="`` 
 ``task.verify(completion)``; ``task.oracle()`` is the reference completion.
 
 Sandboxed families (``HarborTask``, run by ``envs.shell.ShellEnv``): ``terminal``
-(file and text work in the shell), ``code_repair`` (injected bugs with fail-to-pass and
+(file and text work in the shell), ``lookup`` (read a value the answer depends on: for
+a tiny model's agentic RL), ``code_repair`` (injected bugs with fail-to-pass and
 pass-to-pass tests), ``ml_infra`` (make a slow data/training script faster, same output),
 ``security`` (vulnerable programs with exploit tests). Their ``Pattern`` objects
 (``patterns(family)``) are what ``envs/generate.py`` builds environments from. Making
@@ -30,12 +31,13 @@ import hashlib
 import random
 
 from envs.base import Task
-from envs.families import code_repair, ml_infra, procedural, security, terminal
+from envs.families import code_repair, lookup, ml_infra, procedural, security, terminal
 from envs.families.pattern import Pattern
 
 TEXT = dict(procedural.FAMILIES)
 SANDBOX: dict[str, list[Pattern]] = {
     "terminal": terminal.PATTERNS,
+    "lookup": lookup.PATTERNS,
     "code_repair": code_repair.PATTERNS,
     "ml_infra": ml_infra.PATTERNS,
     "security": security.PATTERNS,

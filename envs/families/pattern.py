@@ -70,6 +70,8 @@ class Pattern:
     solve: Callable[[Spec], str]
     verify: Callable[[Spec], dict[str, str]]
     partials: Callable[[Spec], list[str]] = lambda spec: []
+    # the agent's actions on a task, one model turn each (metadata["demonstration"]), if known
+    demonstrate: Callable[[Spec], list[str]] | None = None
     agent_timeout: float = 60.0
     verifier_timeout: float = 60.0
 
@@ -83,7 +85,8 @@ class Pattern:
             tests=dict(self.verify(spec) if tests is None else tests),
             partials=tuple(self.partials(spec) if partials is None else partials),
             agent_timeout=self.agent_timeout, verifier_timeout=self.verifier_timeout,
-            metadata={"family": self.family, "pattern": self.name, **spec.facts.get("metadata", {})})
+            metadata={"family": self.family, "pattern": self.name, **spec.facts.get("metadata", {}),
+                      **({"demonstration": self.demonstrate(spec)} if self.demonstrate else {})})
 
     def make(self, rng: random.Random, difficulty: int) -> HarborTask | None:
         spec = self.instantiate(rng, difficulty)

@@ -1,0 +1,44 @@
+"""sao_agent_tiny: the agentic main job. SAO post-training of the tiny model acting over
+several turns in sandboxed shells, on a CPU.
+
+    glmjax-train --config configs/sao_agent_tiny.py --workdir /tmp/glmjax-agent
+    glmjax-train --config configs/sao_agent_tiny.py --workdir /tmp/glmjax-agent-harbor \
+        --config.task.harbor_dir=tests/harbor_tasks
+
+The tasks are `lookup` (envs/families/lookup.py) at difficulty 1: the answer is a value
+in a file that the agent must read, so an episode is two model turns (grep, then write
+the answer and submit) with the command's real output between them (about 125 tokens);
+`--config.task.difficulty=2 --config.task.max_len=208` adds a reference to a second file
+and a third turn. A policy that does not read the observations can only guess. Each
+generated task trains only once its verifier has passed the three checks.
+
+The base model is the tiny model fine-tuned on oracle episodes (the demonstration's
+commands with the observations they really print; the observations are not in the
+loss), so that it solves some held-out tasks but not most; SAO then trains it on its own
+episodes, one per prompt, with the verifier's reward at the end. Role tokens (system,
+user, assistant, observation) are ids above the 256 bytes (rl/chat.py).
+"""
+
+import os
+
+import ml_collections
+
+from glmjax.presets import load_config
+from rl.chat import ByteChat
+
+
+def get_config(arg=None):
+    del arg
+    here = os.path.dirname(os.path.abspath(__file__))
+    config = load_config(os.path.join(here, "sao_tiny.py"))
+    config.model.vocab_size = ByteChat.vocab_size
+    config.model.max_position_embeddings = 208
+    config.task = ml_collections.ConfigDict(dict(
+        family="lookup", difficulty=1, seed=0, train_tasks=300, eval_tasks=100, max_len=128, max_new_tokens=48,
+        harbor_dir=""))
+    config.env = ml_collections.ConfigDict(dict(
+        workers=4, max_turns=4, turn_tokens=40, command_seconds=5.0, episode_seconds=60.0, observation_bytes=256,
+        show_help=False, action_format="bash"))
+    config.base.update(demonstrations=300, steps=150, batch_size=32, seq_len=128)
+    config.rl.update(steps=60, batch_size=32, slots=32)
+    return config

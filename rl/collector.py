@@ -1,0 +1,212 @@
+"""The collector: starts rollouts as admission allows, drives them, and hands out batches.
+
+    collector = Collector(driver, admission, make_rollout, tasks, group_size=1, tau=4, workers=4)
+    while training:
+        collector.poll(store.version)          # start, advance, score: never blocks
+        batch = collector.take(batch_size)     # complete groups in admission order, or None
+
+Each rollout (`rl/rollout.py`) asks for a model turn, which goes to the engine's driver,
+or for environment work (a command, a verifier), which runs in a pool of `workers`
+threads, so the engine keeps decoding other rollouts while one waits for its sandbox.
+A rollout whose environment raises is dropped ("env_error"), one whose environment work
+outlives `env_timeout` seconds is abandoned ("env_timeout"), one the engine failed
+("error") or that finished more than `tau` versions behind ("stale") too; `dropped`
+counts each cause, and the loop goes on. A group (`group_size` rollouts of one prompt,
+GRPO) goes to the learner once all its members are finished; its kept members train.
+Batches are formed in admission order, not finishing order, so a resumed run replays.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import time
+
+from rl import rollout as ro
+from rl.driver import Driver, Handle, Request
+
+log = logging.getLogger(__name__)
+
+
+class Collector:
+    def __init__(self, driver: Driver, admission: ro.Admission, make_rollout, tasks, *, group_size: int = 1,
+                 tau: int = 4, workers: int = 4, env_timeout: float = 600.0, score=None):
+        """`make_rollout(task, rollout_id)` -> a `rl.rollout.Rollout`; `tasks`: an iterator of
+        tasks; `score(task, rollout)` -> the reward the learner sees (default: the rollout's)."""
+        self.driver, self.admission, self.make_rollout, self.tasks = driver, admission, make_rollout, tasks
+        self.group, self.tau, self.env_timeout = group_size, tau, env_timeout
+        self.score = score or (lambda task, r: r.reward)
+        self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="glmjax-env")
+        self.dropped: collections.Counter = collections.Counter()
+        self.finished: list = []  # (task, rollout) of every rollout scored since the last `drain_finished`
+        self.workers = workers
+        self.env_seconds = 0.0  # time rollouts spent waiting on environment work, summed over rollouts
+        self.rollout_seconds = 0.0  # time from start to end, summed over finished rollouts
+        self._born: dict[int, float] = {}
+        self._engine: dict = {}  # driver handle -> (task, rollout, rid)
+        self._env: dict = {}  # future -> (task, rollout, rid, started at)
+        self._groups = collections.defaultdict(list)  # group id -> finished members (None where dropped)
+        self._ready: list = []  # complete groups: lists of rollouts, each a list of trajectories
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._engine) + len(self._env)
+
+    def poll(self, version: int) -> None:
+        """Starts what admission allows at `version`, then advances every rollout whose
+        model turn or environment work has finished."""
+        while self.admission.capacity(version) >= self.group:
+            task = next(self.tasks)
+            for _ in range(self.group):  # a group's ids are consecutive: rid // group names it
+                rid = self.admission.issued
+                self.admission.started()
+                self._born[rid] = time.time()
+                self._advance(task, self.make_rollout(task, rid), rid, version)
+        for h in [h for h in self._engine if h.done()]:
+            task, r, rid = self._engine.pop(h)
+            r.receive(h.result())
+            self._advance(task, r, rid, version)
+        now = time.time()
+        for f in list(self._env):
+            task, r, rid, started = self._env[f]
+            if f.done():
+                del self._env[f]
+                self.env_seconds += now - started
+                if f.exception() is not None:
+                    log.warning("environment of rollout %d (%s) failed: %r", rid, getattr(task, "id", "?"),
+                                f.exception())
+                    self._drop(r, rid, "env_error")
+                else:
+                    self._advance(task, r, rid, version)
+            elif now - started > self.env_timeout:
+                del self._env[f]
+                self.env_seconds += now - started
+                f.add_done_callback(lambda _, r=r: r.close())  # the thread ends with its command's own limit
+                log.warning("environment of rollout %d (%s) exceeded %.0f s: dropped", rid, getattr(task, "id", "?"),
+                            self.env_timeout)
+                self._drop(r, rid, "env_timeout")
+
+    def _advance(self, task, r, rid: int, version: int) -> None:
+        """Runs the rollout's state machine to its next wait: a model turn, environment
+        work, or the end."""
+        while True:
+            try:
+                work = r.next()
+            except Exception as err:  # a broken environment or rollout drops its own sample
+                log.warning("rollout %d (%s) failed: %r", rid, getattr(task, "id", "?"), err)
+                return self._drop(r, rid, "env_error")
+            if isinstance(work, Request):
+                try:
+                    self._engine[self.driver.submit(work)] = (task, r, rid)
+                except ValueError as err:  # a request the engine cannot serve (too long)
+                    log.warning("rollout %d: %s", rid, err)
+                    return self._drop(r, rid, "engine_rejected")
+                return
+            if work is not None:
+                self._env[self.pool.submit(work)] = (task, r, rid, time.time())
+                return
+            return self._finish(task, r, rid, version)
+
+    def _finish(self, task, r, rid: int, version: int) -> None:
+        if r.reward is None:
+            return self._drop(r, rid, r.finish_reason or "error")
+        segments = r.trajectories(rid, task_id=task.id, difficulty=getattr(task, "difficulty", 0.0))
+        reward = float(self.score(task, r))
+        for tr in segments:
+            tr.reward = reward
+        self.finished.append((task, r))
+        if max(tr.staleness(version) for tr in segments) > self.tau:
+            return self._drop(r, rid, "stale")
+        r.close()
+        self.admission.finished(True)
+        self._group_member(rid, segments)
+
+    def _drop(self, r, rid: int, cause: str) -> None:
+        self.dropped[cause] += 1
+        try:
+            r.close()
+        except Exception:  # closing a broken environment must not stop the loop either
+            log.exception("closing rollout %d failed", rid)
+        self.admission.finished(False)
+        self._group_member(rid, None)
+
+    def _group_member(self, rid: int, segments) -> None:
+        self.rollout_seconds += time.time() - self._born.pop(rid, time.time())
+        members = self._groups[rid // self.group]
+        members.append(segments)
+        if len(members) == self.group:
+            kept = sorted((m for m in members if m is not None), key=lambda m: m[0].rollout_id)
+            if kept:
+                self._ready.append(kept)
+            del self._groups[rid // self.group]
+
+    def ready_rollouts(self) -> int:
+        return sum(map(len, self._ready))
+
+    def take(self, batch_size: int) -> list[ro.Trajectory] | None:
+        """The next batch (whole groups, up to batch_size rollouts, in admission order), or
+        None while fewer than batch_size finished rollouts wait."""
+        if self.ready_rollouts() < batch_size:
+            return None
+        self._ready.sort(key=lambda g: g[0][0].rollout_id)
+        take, n = 0, 0
+        while take < len(self._ready) and n + len(self._ready[take]) <= batch_size:
+            n, take = n + len(self._ready[take]), take + 1
+        batch = [tr for g in self._ready[:take] for rollout in g for tr in rollout]
+        self._ready = self._ready[take:]
+        return batch
+
+    def drain_finished(self) -> list:
+        out, self.finished = self.finished, []
+        return out
+
+    def close(self) -> None:
+        for h in self._engine:
+            h.cancel()
+        for _, r, _, _ in self._env.values():
+            r.close()
+        for _, r, _ in self._engine.values():
+            r.close()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def drive(driver: Driver, rollouts, workers: int = 4) -> None:
+    """Runs every rollout to its end from this thread (the driver not started): the engine
+    steps while any model turn is queued or decoding, environment work runs in a pool. A
+    rollout whose environment raises ends without a reward (`finish_reason="env_error"`)."""
+    waiting = {}  # driver handle or pool future -> rollout
+
+    def advance(r, pool):
+        try:
+            work = r.next()
+        except Exception as err:
+            log.warning("rollout failed: %r", err)
+            r.finish_reason = "env_error"
+            return r.close()
+        if isinstance(work, Request):
+            waiting[driver.submit(work)] = r
+        elif work is not None:
+            waiting[pool.submit(work)] = r
+        else:
+            r.close()
+
+    with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="glmjax-env") as pool:
+        for r in rollouts:
+            advance(r, pool)
+        while waiting:
+            if driver.load:
+                driver.step()
+            else:
+                futures = [k for k in waiting if not isinstance(k, Handle)]
+                concurrent.futures.wait(futures, timeout=0.1, return_when=concurrent.futures.FIRST_COMPLETED)
+            for key in [k for k in waiting if k.done()]:
+                r = waiting.pop(key)
+                if isinstance(key, Handle):
+                    r.receive(key.result())
+                elif key.exception() is not None:
+                    log.warning("environment failed: %r", key.exception())
+                    r.finish_reason = "env_error"
+                    r.close()
+                    continue
+                advance(r, pool)

@@ -1,0 +1,170 @@
+"""The RL job's tasks and how each becomes a rollout.
+
+    train, heldout, excluded = task_sets(cfg, workdir)
+    make = RolloutFactory(cfg, engine)          # make(task, rollout_id) -> rl.rollout.Rollout
+
+Three sources, by config:
+- a text family (`task.family="sorting"`): one-turn `TextTask`s, a `TextRollout` each;
+- a sandboxed family (`task.family="lookup"`, `"terminal"` ...): generated `HarborTask`s,
+  each run as a multi-turn `Episode` in a `ShellEnv`;
+- a directory of Harbor tasks (`task.harbor_dir=DIR`): the same, from disk; one task in
+  ten (by a hash of its content, `envs.families.split_of`) is held out.
+Sandboxed tasks train only once their verifier has passed the three checks (oracle
+rewarded, no-op not, unfinished not: `envs/validate.py`); the others are excluded and
+counted by status. Reports are cached in workdir/validation.jsonl, so a resumed run does
+not check again. Held-out tasks come from another seed (`task.seed + 1`).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import time
+
+from tqdm.auto import tqdm
+
+from envs import families, validate
+from envs.harbor import HarborTask
+from envs.sandbox import Limits
+from envs.shell import ShellEnv
+from rl import rollout as ro
+from rl.chat import ByteChat
+from rl.compaction import Compaction, Rollout
+from rl.driver import Request, Result
+from rl.episode import Episode
+
+log = logging.getLogger(__name__)
+STOP = ro.encode("\n")
+
+
+def agentic(cfg) -> bool:
+    """Whether the job runs multi-turn episodes (sandboxed tasks) rather than one-turn answers."""
+    return bool(cfg.task.get("harbor_dir")) or cfg.task.family in families.SANDBOX
+
+
+def task_sets(cfg, workdir: str | None = None) -> tuple[list, list, dict]:
+    """(train, held-out, excluded by validation status) of the config's task source."""
+    t = cfg.task
+    if not agentic(cfg):
+        train = families.make_tasks(t.family, t.train_tasks, seed=t.seed, difficulty=t.difficulty)
+        heldout = families.make_tasks(t.family, t.eval_tasks, seed=t.seed + 1, split="heldout", difficulty=t.difficulty)
+        return train, heldout, {}
+    if t.get("harbor_dir"):
+        from envs import harbor_dirs
+
+        tasks = harbor_dirs.load_tasks([t.harbor_dir])
+        if not tasks:
+            raise ValueError(f"task.harbor_dir={t.harbor_dir!r} holds no Harbor task directories")
+        heldout = [x for x in tasks if families.split_of(x) == "heldout"]
+        train = [x for x in tasks if families.split_of(x) == "train"]
+        if not heldout or not train:  # too few tasks to split: evaluate on the training tasks
+            log.warning("task.harbor_dir has %d tasks: too few to hold one in ten out; evaluating on all", len(tasks))
+            train = heldout = tasks
+        train, heldout = train[:t.train_tasks], heldout[:t.eval_tasks]
+    else:
+        train = families.make_tasks(t.family, t.train_tasks, seed=t.seed, difficulty=t.difficulty)
+        heldout = families.make_tasks(t.family, t.eval_tasks, seed=t.seed + 1, split="heldout", difficulty=t.difficulty)
+    status = _validated(train + heldout, workdir, workers=cfg.env.workers)
+    excluded = collections.Counter(status[x.id] for x in train + heldout if status[x.id] != "pass")
+    kept = lambda tasks: [x for x in tasks if status[x.id] == "pass"]  # noqa: E731
+    if not kept(train) or not kept(heldout):
+        raise ValueError(f"no {'training' if not kept(train) else 'held-out'} task passed the three checks "
+                         f"(excluded by status: {dict(excluded)}); see {workdir}/validation.jsonl")
+    return kept(train), kept(heldout), dict(excluded)
+
+
+def _validated(tasks: list[HarborTask], workdir: str | None, workers: int) -> dict[str, str]:
+    """task id -> validation status, checking only the tasks not in the cache."""
+    path = os.path.join(workdir, "validation.jsonl") if workdir else None
+    status = {}
+    if path and os.path.exists(path):
+        for line in open(path):
+            try:
+                row = json.loads(line)
+                status[row["task"]] = row["status"]
+            except (ValueError, KeyError):  # a line cut short by a kill: checked again
+                continue
+    todo = list({x.id: x for x in tasks if x.id not in status}.values())
+    if todo:
+        out = open(path, "a") if path else None
+        bar = tqdm(validate.iter_validate(todo, workers=workers, limits=Limits(wall_seconds=30.0)), total=len(todo),
+                   desc="three checks", mininterval=1.0)
+        for report in bar:
+            status[report.task_id] = report.status
+            if out:
+                out.write(json.dumps({"task": report.task_id, "status": report.status, "reason": report.reason}) + "\n")
+                out.flush()
+        if out:
+            out.close()
+    return status
+
+
+def make_env(cfg) -> ShellEnv:
+    e = cfg.env
+    return ShellEnv(limits=Limits(wall_seconds=e.command_seconds), max_turns=e.max_turns,
+                    observation_bytes=e.observation_bytes, show_help=e.show_help, action_format=e.action_format)
+
+
+def compaction(cfg) -> Compaction | None:
+    # the engine serves max_len - 1 tokens: it keeps one cache entry for the step's write
+    return Compaction.from_config(cfg.rl.get("compaction"), window=cfg.task.max_len - 1)
+
+
+def budget(prompt, max_new_tokens: int, window: int, compaction: Compaction | None) -> int:
+    """Answer tokens a one-turn rollout may write: without compaction, what the window leaves."""
+    return max_new_tokens if compaction else max(1, min(max_new_tokens, window - len(prompt)))
+
+
+class RolloutFactory:
+    """`make(task, rollout_id)`: the rollout the task's kind needs, sampling as configured
+    (`greedy=True` for evaluation; `blank_observations` for the ablation that hides
+    every command's output from the model)."""
+
+    def __init__(self, cfg, window: int, *, greedy: bool = False, blank_observations: bool = False):
+        self.cfg, self.window, self.greedy, self.blank = cfg, window, greedy, blank_observations
+        self.compaction = compaction(cfg)
+        self.chat = ByteChat()
+        self.seed = cfg.seed * 1_000_003
+
+    def __call__(self, task, rid: int, session: str = "rollout"):
+        cfg = self.cfg
+        temperature = 0.0 if self.greedy else cfg.rl.temperature
+        if isinstance(task, HarborTask):
+            e = cfg.env
+            return Episode(task, make_env(cfg), self.chat, turn_tokens=e.turn_tokens, window=self.window,
+                           temperature=temperature, seed=self.seed + rid, session_id=f"{session}-{rid}",
+                           deadline=time.time() + e.episode_seconds if e.episode_seconds else None,
+                           compaction=self.compaction, blank_observations=self.blank)
+        prompt = ro.encode(task.prompt)
+        c = self.compaction
+        inner = Rollout(prompt, budget(prompt, cfg.task.max_new_tokens, self.window, c), compaction=c, stop_ids=STOP,
+                        temperature=temperature, seed=self.seed + rid, session_id=f"{session}-{rid}" if c else None)
+        return ro.TextRollout(task, inner)
+
+
+def oracle_episode(task: HarborTask, env, chat, window: int) -> Episode:
+    """The episode a model would have if it wrote the task's demonstration
+    (`metadata["demonstration"]`, one action per turn; else the solution as one command),
+    with the observations its commands really print: the supervised demonstrations, in
+    exactly the layout RL produces. Raises ValueError when the demonstration is not
+    rewarded."""
+    actions = list(task.metadata.get("demonstration") or [f"<bash>{_body(task.solution)}</bash><submit/>"])
+    episode = Episode(task, env, chat, turn_tokens=window, window=window, min_turn_tokens=1)
+    turns = iter(actions)
+    while (work := episode.next()) is not None:
+        if isinstance(work, Request):
+            tokens = (chat.encode_text(next(turns, "<submit/>")) + [chat.tool_call_id])[:work.max_new_tokens]
+            episode.receive(Result(tokens, [0.0] * len(tokens), [0] * len(tokens), "stop"))
+        else:
+            work()
+    if episode.reward is None or episode.reward < 1.0 - 1e-6:
+        raise ValueError(f"the demonstration of task {task.id} scores {episode.reward} "
+                         f"({episode.finish_reason}, {episode.info}): {actions}")
+    return episode
+
+
+def _body(script: str | None) -> str:
+    lines = (script or "").splitlines()
+    return "\n".join(lines[1:] if lines and lines[0].startswith("#!") else lines).strip()
