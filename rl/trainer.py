@@ -378,7 +378,9 @@ def run(cfg, workdir: str, make_rollout=None) -> dict:
                "learner_busy_fraction": busy / rl_seconds,
                "relative_gain": (final["pass_rate"] - base["pass_rate"]) / max(base["pass_rate"], 1e-9),
                "resumed_from_step": resumed["step"] if resumed else None}
-    if rl_tasks.agentic(cfg):
+    if rl_tasks.agentic(cfg):  # the same policy with every command's output hidden: what reading is worth
+        blind = _evaluate(cfg, Driver(engine), heldout, blank_observations=True)
+        summary.update(final_pass_rate_blind=blind["pass_rate"])
         summary.update(base_turns_per_episode=base["turns"], final_turns_per_episode=final["turns"],
                        env_seconds=env_seconds,
                        env_time_fraction=collector.env_seconds / max(collector.rollout_seconds, 1e-9))
