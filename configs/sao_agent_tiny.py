@@ -35,10 +35,12 @@ def get_config(arg=None):
     config.model.max_position_embeddings = 208
     config.task = ml_collections.ConfigDict(dict(
         family="lookup", difficulty=1, seed=0, train_tasks=300, eval_tasks=100, max_len=128, max_new_tokens=48,
-        harbor_dir=""))
+        harbor_dir="", augment="", augment_fraction=0.5))
     config.env = ml_collections.ConfigDict(dict(
         workers=4, max_turns=4, turn_tokens=40, command_seconds=5.0, episode_seconds=60.0, observation_bytes=256,
         show_help=False, action_format="bash"))
+    # the evaluation matrix on the final weights (envs/evaluate.py): pass@k over held-out tasks
+    config.eval = ml_collections.ConfigDict(dict(matrix_tasks=50, samples=4, ks="1,4"))
     config.base.update(demonstrations=300, steps=150, batch_size=32, seq_len=128)
     config.rl.update(steps=60, batch_size=32, slots=32)
     return config

@@ -32,7 +32,9 @@ def get_config(arg=None):
     config.checkpoint_every = 10
     config.task = ml_collections.ConfigDict(dict(
         family="sorting", difficulty=2, seed=0, train_tasks=4000, eval_tasks=200, max_len=28,
-        max_new_tokens=10))
+        max_new_tokens=10,
+        # adversarial copies of training tasks (envs/augment.py): "", "distractor", "reorder"
+        augment="", augment_fraction=0.5))
     config.base = ml_collections.ConfigDict(dict(
         demonstrations=3000, steps=130, batch_size=64, seq_len=28, learning_rate=3e-3, warmup=20, mtp_weight=0.3,
         seed=0))
@@ -43,7 +45,13 @@ def get_config(arg=None):
         # generation pauses while a complete next batch waits: the engine and the learner share the machine
         generation_yields=True,
         # compile every prefill and decode shape before the loop (off: each compiles when first used)
-        warmup_compile=True))
+        warmup_compile=True,
+        # reward by task complexity (envs/reward.py): "none", "difficulty" or "pass_rate"
+        reward_shaping="none", reward_alpha=0.5,
+        # every N steps, greedy and sampled pass rates on tasks neither trained on nor held out (0: off)
+        validate_every=0, validate_tasks=64))
+    # Prioritized replay (rl/replay.py: BatchReplay): `rows` stored rows beside each batch's fresh ones
+    config.rl.replay = ml_collections.ConfigDict(dict(enabled=False, capacity=1024, rows=16, alpha=0.6, beta=0.4))
     # Trajectories longer than the window: summarise and continue (rl/compaction.py);
     # configs/compaction_tiny.py turns it on for answers that outgrow the context.
     config.rl.compaction = ml_collections.ConfigDict(dict(enabled=False, summary_tokens=6, max_segments=4))

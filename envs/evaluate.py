@@ -24,6 +24,7 @@ import ast
 import math
 import random
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 from envs import families, tree
@@ -61,8 +62,10 @@ def _python_files_parse(env: ShellEnv) -> bool:
 
 
 def run_sample(client: ModelClient, task, category: str, *, max_turns: int = 8, max_tokens: int = 512,
-               temperature: float = 0.0, limits: Limits = Limits(wall_seconds=20.0)) -> dict:
-    """One episode of ``task``; returns ``{"reward", sub-metric: value}``."""
+               temperature: float = 0.0, limits: Limits = Limits(wall_seconds=20.0), show_help: bool = True) -> dict:
+    """One episode of ``task``; returns ``{"reward", sub-metric: value}``. A client with an
+    ``act(transcript, max_tokens=, temperature=)`` method (a chat model: ``rl/env_client.py``)
+    is given the episode's turns; any other gets their text rendering to complete."""
     names = CATEGORIES[category][1]
     try:
         if isinstance(task, TextTask):
@@ -75,12 +78,16 @@ def run_sample(client: ModelClient, task, category: str, *, max_turns: int = 8, 
             except (SyntaxError, ValueError):
                 syntax = 0.0
             return {"reward": reward, names[0]: syntax, names[1]: float(is_full(reward))}
-        env = ShellEnv(limits=limits, max_turns=max_turns)
+        env = ShellEnv(limits=limits, max_turns=max_turns, show_help=show_help)
+        act = getattr(client, "act", None)  # a chat model reads the turns, not their rendering
         try:
             env.reset(task)
             actions, good, done, info, reward = 0, 0, False, {}, 0.0
             while not done:
-                text = client.complete(env.transcript.render(), max_tokens=max_tokens, temperature=temperature)
+                if act is not None:
+                    text = act(env.transcript, max_tokens=max_tokens, temperature=temperature)
+                else:
+                    text = client.complete(env.transcript.render(), max_tokens=max_tokens, temperature=temperature)
                 parsed = parse_action(text)
                 actions += 1
                 good += parsed.parsed and all(_bash_ok(c) for c in parsed.commands)
@@ -118,13 +125,18 @@ def _bootstrap(values: Sequence[float], seed: int = 0, resamples: int = 1000) ->
 
 def evaluate(client: ModelClient, *, categories: Sequence[str] = tuple(CATEGORIES), tasks: dict | None = None,
              n_tasks: int = 4, samples: int = 1, ks: Sequence[int] = (1,), seed: int = 0, model: str = "model",
-             **episode) -> dict:
-    """The matrix for ``client``. ``tasks``: {category: [task, ...]} (default: held-out sets)."""
+             workers: int = 1, **episode) -> dict:
+    """The matrix for ``client``. ``tasks``: {category: [task, ...]} (default: held-out sets).
+    ``workers``: episodes run at once (a client that batches concurrent requests, such as
+    the engine's, then serves them together)."""
     report = {"model": model, "samples": samples, "categories": {}}
     for category in categories:
         chosen = (tasks or {}).get(category) or heldout(category, n_tasks, seed)
         names = CATEGORIES[category][1]
-        per_task = [[run_sample(client, task, category, **episode) for _ in range(samples)] for task in chosen]
+        jobs = [task for task in chosen for _ in range(samples)]
+        with ThreadPoolExecutor(max(1, workers)) as pool:
+            runs = list(pool.map(lambda task: run_sample(client, task, category, **episode), jobs))
+        per_task = [runs[i * samples:(i + 1) * samples] for i in range(len(chosen))]
         metrics = {}
         for name in names:
             values = [sum(s[name] for s in runs) / len(runs) for runs in per_task]

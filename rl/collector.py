@@ -114,7 +114,7 @@ class Collector:
         segments = r.trajectories(rid, task_id=task.id, difficulty=getattr(task, "difficulty", 0.0))
         reward = float(self.score(task, r))
         for tr in segments:
-            tr.reward = reward
+            tr.raw_reward, tr.reward = tr.reward, reward
         self.finished.append((task, r))
         if max(tr.staleness(version) for tr in segments) > self.tau:
             return self._drop(r, rid, "stale")

@@ -2,10 +2,14 @@
 
     from rl.env_client import EngineClient
     client = EngineClient.from_checkpoint("path/to/model", max_concurrent_decodes=8)
-    envs.evaluate.run_matrix(client, ...)          # or envs.generate's agents
+    envs.evaluate.evaluate(client, ...)            # or envs.generate's agents
 
 Text goes in and out as bytes (the tiny models' vocabulary) unless a tokenizer with
-`encode` / `decode` is given. `envs/` never imports this module; `rl/` depends on `envs/`,
+`encode` / `decode` is given. With `chat` (rl/chat.py) the client also has `act`: the
+evaluation matrix (`envs/evaluate.py`) hands it an episode's turns, which it encodes in
+the chat format the model was trained on, and the model's turn ends at a role token.
+Requests from several threads are served together when the driver runs in the background
+(`driver.start()`). `envs/` never imports this module; `rl/` depends on `envs/`,
 not the other way round.
 """
 
@@ -15,13 +19,14 @@ from collections.abc import Sequence
 
 import glmjax
 from rl import rollout
+from rl.chat import Turn
 from rl.driver import Driver, Request
 from rl.engine import GlmEngine
 
 
 class EngineClient:
-    def __init__(self, driver: Driver, tokenizer=None):
-        self.driver = driver
+    def __init__(self, driver: Driver, tokenizer=None, chat=None):
+        self.driver, self.chat = driver, chat
         self.encode = tokenizer.encode if tokenizer is not None else rollout.encode
         self.decode = tokenizer.decode if tokenizer is not None else rollout.decode
 
@@ -36,7 +41,22 @@ class EngineClient:
                  stop: Sequence[str] | None = None) -> str:
         """The completion of prompt; generation ends at the first token of any stop string."""
         stop_ids = tuple(t for s in (stop or ()) for t in self.encode(s)[:1])
-        handle = self.driver.submit(Request(self.encode(prompt), max_tokens, temperature=temperature,
-                                            stop_ids=stop_ids))
-        self.driver.run_until_idle()
-        return self.decode(handle.result().tokens)
+        return self.decode(self._generate(self.encode(prompt), max_tokens, temperature, stop_ids))
+
+    def act(self, transcript, *, max_tokens: int = 256, temperature: float = 0.0) -> str:
+        """The model's next turn in an episode (`envs.base.Transcript`), in the chat format."""
+        if self.chat is None:
+            raise AttributeError("EngineClient.act needs a chat format: EngineClient(driver, chat=ByteChat())")
+        roles = {"prompt": "user", "model": "assistant", "tool": "observation"}
+        tokens = self.chat.render([Turn(roles[t.role], t.text) for t in transcript.turns])
+        room = self.driver.engine.max_len - self.driver.engine.num_draft - 1 - len(tokens)
+        if room < 1:
+            return ""  # the episode has outgrown the model's window: an empty turn runs nothing
+        return self.chat.decode(self._generate(tokens, min(max_tokens, room), temperature, self.chat.stop_ids))
+
+    def _generate(self, tokens, max_tokens: int, temperature: float, stop_ids) -> list[int]:
+        handle = self.driver.submit(Request(list(tokens), max_tokens, temperature=temperature,
+                                            stop_ids=tuple(stop_ids)))
+        if not self.driver.running:
+            self.driver.run_until_idle()
+        return handle.result().tokens

@@ -19,7 +19,8 @@ token before them.
 
 The episode ends at submit or the environment's turn limit (the env runs the verifier
 and returns the reward), when the window leaves fewer than `min_turn_tokens` for the next
-turn (an observation that would leave less is not appended), or at `deadline` (the env's `finish()` runs the verifier on the state as it is).
+turn (an observation that would leave less is not appended), or `seconds` after the
+environment was reset (the env's `finish()` runs the verifier on the state as it is).
 With `compaction`, a history that would outgrow the window is summarised instead: the
 observation `compaction.open` asks for a summary, the model writes it up to
 `compaction.close`, and the episode continues in a new segment whose prompt is the task
@@ -38,12 +39,13 @@ from rl.rollout import Trajectory
 
 class Episode:
     def __init__(self, task, env, chat, *, turn_tokens: int, window: int, temperature: float = 0.0, seed: int = 0,
-                 session_id: str | None = None, deadline: float | None = None, min_turn_tokens: int = 8,
+                 session_id: str | None = None, seconds: float | None = None, min_turn_tokens: int = 8,
                  compaction: Compaction | None = None, system: str | None = None, blank_observations: bool = False):
         self.task, self.env, self.chat = task, env, chat
         self.turn_tokens, self.window, self.min_turn_tokens = turn_tokens, window, min_turn_tokens
         self.temperature, self.seed, self.session_id = temperature, seed, session_id
-        self.deadline, self.compaction, self.system = deadline, compaction, system
+        self.seconds, self.compaction, self.system = seconds, compaction, system
+        self.deadline: float | None = None  # `seconds` after the environment is reset
         self.blank_observations = blank_observations
         self.reward: float | None = None
         self.finish_reason: str | None = None
@@ -129,6 +131,7 @@ class Episode:
         try:
             if phase == "reset":
                 self.instruction = self.env.reset(self.task)
+                self.deadline = time.time() + self.seconds if self.seconds else None
                 self.prompt = self.chat.start(self.instruction, self.system)
                 self._phase = "model"
                 return

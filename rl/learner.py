@@ -189,11 +189,13 @@ class Learner:
             self._bound = fns
         return self._bound
 
-    def step(self, batch: sao.Batch, group_ids=None, advantages=None) -> dict:
+    def step(self, batch: sao.Batch, group_ids=None, advantages=None, row_weights=None) -> dict:
         """One update; returns host-side metrics (floats). A batch with non-finite rewards
         or rollout log-probs, or whose gradients are not finite, changes nothing.
         advantages [B, T]: the caller's own, in place of the configured algorithm's (only
-        with `external_advantages`)."""
+        with `external_advantages`). row_weights [B]: a factor on each row's tokens in the
+        loss (prioritized replay's importance weights). The advantages used are kept in
+        `last_advantages`."""
         if (advantages is not None) != self.external_advantages:
             raise ValueError(f"Learner.step: expected advantages={'[B, T]' if self.external_advantages else 'None'} "
                              f"(external_advantages={self.external_advantages}), got "
@@ -205,6 +207,8 @@ class Learner:
             return {"skipped_nonfinite": 1.0}
         cfg, metrics = self.cfg, {}
         weights = _token_weights(batch.action_mask, batch.rollout_id)
+        if row_weights is not None:
+            weights = weights * jnp.asarray(row_weights, jnp.float32)[:, None]
         if advantages is not None:
             adv = jnp.asarray(advantages, jnp.float32)
         elif self.critic is not None:
@@ -217,6 +221,7 @@ class Learner:
             if group_ids is None:
                 raise ValueError(f"rl.algorithm={cfg['algorithm']!r} needs group_ids (G rollouts per prompt)")
             adv = _grpo_advantages(batch.rewards, jnp.asarray(group_ids), batch.action_mask)
+        self.last_advantages = adv
         warming = self.critic is not None and self.steps < cfg.get("critic_warmup", 0)
         if not warming:
             metrics.update(self._fns["actor_step"](batch, adv, weights, self._loss_keys))

@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -181,3 +182,62 @@ class ReplayBuffer:
         for name, dtype in meta["dtypes"].items():
             a = np.array(arrays[f"data/{name}"])
             self._data[name] = a.view(BF16) if dtype == "bfloat16" else a.astype(dtype)
+
+
+class BatchReplay:
+    """Prioritized replay in the RL loop (`rl.replay`): every learner batch carries `rows`
+    stored rows beside its fresh ones, in rows the batch keeps free for them (one learner
+    shape, with or without a full buffer).
+
+        batch, weights, drawn = replay.fill(batch, fresh=B)   # rows B.. from the buffer
+        learner.step(batch, row_weights=weights)
+        replay.update(batch, learner.last_advantages, fresh=B, drawn=drawn)
+
+    Fresh rows enter with priority = their mean |advantage| over action tokens
+    (`mean_abs_priority`); drawn rows get theirs from this step's advantages. Drawn rows
+    keep their behaviour log-probs, so SAO's importance ratio and strict band are the
+    off-policy correction, and the buffer's importance weights w_i scale each row's loss.
+    Each drawn row is a rollout of its own (negative rollout ids): a drawn segment of a
+    compacted rollout bootstraps 0 past its end. The buffer is not checkpointed; a resumed
+    run starts with it empty."""
+
+    FIELDS = ("tokens", "action_mask", "logp_rollout", "versions", "rewards")
+
+    def __init__(self, capacity: int = 1024, rows: int = 8, alpha: float = 0.6, beta: float = 0.4, seed: int = 0):
+        if rows < 1 or capacity < rows:
+            raise ValueError(f"rl.replay needs rows >= 1 and capacity >= rows, got rows={rows}, capacity={capacity}")
+        self.rows = rows
+        self.buffer = ReplayBuffer(capacity, alpha=alpha, beta=beta, seed=seed)
+
+    def fill(self, batch, fresh: int):
+        """The batch with its rows [fresh, fresh + rows) drawn from the buffer; the row
+        weights [B] (1 on fresh rows, 0 on rows left empty); the drawn insertion indices."""
+        b = batch.tokens.shape[0]
+        if b != fresh + self.rows:
+            raise ValueError(f"the batch has {b} rows, expected {fresh} fresh + {self.rows} for replay")
+        weights = np.ones(b, np.float32)
+        if len(self.buffer) == 0:
+            weights[fresh:] = 0.0
+            return batch, weights, None
+        drawn = self.buffer.sample(self.rows)
+        fields = {}
+        for name in self.FIELDS:
+            value = np.array(getattr(batch, name))
+            value[fresh:] = drawn.data[name].astype(value.dtype)
+            fields[name] = value
+        ids = np.array(batch.rollout_id)
+        ids[fresh:] = -1 - np.arange(self.rows)
+        segments = np.array(batch.segment_index)
+        segments[fresh:] = 0
+        weights[fresh:] = drawn.weights
+        batch = batch._replace(**{k: jnp.asarray(v) for k, v in fields.items()}, rollout_id=jnp.asarray(ids),
+                               segment_index=jnp.asarray(segments))
+        return batch, weights, drawn.indices
+
+    def update(self, batch, advantages, fresh: int, drawn) -> None:
+        prio = mean_abs_priority(np.asarray(advantages), np.asarray(batch.action_mask))
+        live = np.asarray(batch.action_mask)[:fresh].sum(axis=1) > 0  # not the empty padding rows
+        rows = {name: np.asarray(getattr(batch, name))[:fresh][live] for name in self.FIELDS}
+        self.buffer.add(rows, prio[:fresh][live])
+        if drawn is not None:
+            self.buffer.update_priorities(drawn, prio[fresh:])

@@ -50,6 +50,7 @@ class Trajectory:
     difficulty: float = 0.0
     finish_reason: str = "stop"
     observation_mask: list[int] | None = None  # 1 on completion tokens that are tool output, not actions
+    raw_reward: float | None = None  # the verifier's, when `reward` is shaped (envs/reward.py)
 
     @property
     def length(self) -> int:

@@ -238,7 +238,8 @@ def sao_policy_loss(logp: jax.Array, logp_rollout: jax.Array, advantages: jax.Ar
     every action token stays in the denominator N. token_weights [B, T] (e.g.
     `rollout_token_weights`) turn the token mean into a weighted mean sum(w x) / sum(w);
     `denominator` overrides N (the whole batch's, under gradient accumulation).
-    d loss / d logp_t = -w_t f(r_t) A_t / N. aux: clip_fraction (out-of-band share),
+    d loss / d logp_t = -w_t f(r_t) A_t / N. aux: clip_fraction (out-of-band share; below
+    and above the band: clip_low_fraction, clip_high_fraction),
     ratio_mean, kl_rollout (mean of r - 1 - log r, the k3 estimate of KL(rollout || theta)).
     """
     mask = action_mask.astype(bool)
@@ -251,6 +252,8 @@ def sao_policy_loss(logp: jax.Array, logp_rollout: jax.Array, advantages: jax.Ar
     m = mask.astype(jnp.float32)
     aux = {
         "clip_fraction": _mean(1.0 - in_band.astype(jnp.float32), m),
+        "clip_low_fraction": _mean((ratio <= 1.0 - eps_low).astype(jnp.float32), m),
+        "clip_high_fraction": _mean((ratio >= 1.0 + eps_high).astype(jnp.float32), m),
         "ratio_mean": _mean(ratio, m),
         "kl_rollout": _mean(ratio - 1.0 - sg(log_r), m),
     }
@@ -390,26 +393,3 @@ def opd_advantages(logp_student: jax.Array, logp_teacher: jax.Array, action_mask
     mask = action_mask.astype(bool)
     return jnp.where(mask, -kl_coef * _log_ratio(sg(logp_student), sg(logp_teacher), mask), 0.0)
 
-
-# Reward shaping ----------------------------------------------------------------------
-SHAPING_SCHEMES = ("none", "scale", "bonus")
-
-
-def shape_reward(reward: jax.Array, difficulty: jax.Array, *, scheme: str = "none",
-                 strength: float = 1.0) -> jax.Array:
-    """Reward shaping by task complexity. reward [B], difficulty [B] in [0, 1] (clipped; e.g.
-    1 - a reference model's pass rate, or a family's level / max level).
-
-      "none":  R
-      "scale": R (1 + strength d)           hard tasks weigh more, both for success and failure
-      "bonus": R + strength d [R > 0]       solving hard tasks earns extra; failures unchanged
-    """
-    if scheme not in SHAPING_SCHEMES:
-        raise ValueError(f"shape_reward scheme={scheme!r} is invalid: expected one of {SHAPING_SCHEMES}")
-    r = reward.astype(jnp.float32)
-    d = jnp.clip(difficulty.astype(jnp.float32), 0.0, 1.0)
-    if scheme == "scale":
-        return r * (1.0 + strength * d)
-    if scheme == "bonus":
-        return r + strength * d * (r > 0)
-    return r

@@ -9,7 +9,11 @@ Three sources, by config:
   each run as a multi-turn `Episode` in a `ShellEnv`;
 - a directory of Harbor tasks (`task.harbor_dir=DIR`): the same, from disk; one task in
   ten (by a hash of its content, `envs.families.split_of`) is held out.
-Sandboxed tasks train only once their verifier has passed the three checks (oracle
+With `task.augment` ("distractor", "reorder" or both, comma-separated), a fraction
+`task.augment_fraction` of the training tasks gets an adversarially perturbed copy
+(envs/augment.py: an irrelevant fact, operands in another order) that keeps the verified
+answer; a copy whose oracle stops scoring is refused and counted. Sandboxed tasks train
+only once their verifier has passed the three checks (oracle
 rewarded, no-op not, unfinished not: `envs/validate.py`); the others are excluded and
 counted by status. Reports are cached in workdir/validation.jsonl, so a resumed run does
 not check again. Held-out tasks come from another seed (`task.seed + 1`).
@@ -21,11 +25,11 @@ import collections
 import json
 import logging
 import os
-import time
+import random
 
 from tqdm.auto import tqdm
 
-from envs import families, validate
+from envs import augment, families, validate
 from envs.harbor import HarborTask
 from envs.sandbox import Limits
 from envs.shell import ShellEnv
@@ -45,12 +49,13 @@ def agentic(cfg) -> bool:
 
 
 def task_sets(cfg, workdir: str | None = None) -> tuple[list, list, dict]:
-    """(train, held-out, excluded by validation status) of the config's task source."""
+    """(train, held-out, excluded by cause) of the config's task source."""
     t = cfg.task
     if not agentic(cfg):
         train = families.make_tasks(t.family, t.train_tasks, seed=t.seed, difficulty=t.difficulty)
         heldout = families.make_tasks(t.family, t.eval_tasks, seed=t.seed + 1, split="heldout", difficulty=t.difficulty)
-        return train, heldout, {}
+        train, refused = _augmented(cfg, train)
+        return train, heldout, {"augment_refused": refused} if refused else {}
     if t.get("harbor_dir"):
         from envs import harbor_dirs
 
@@ -66,13 +71,51 @@ def task_sets(cfg, workdir: str | None = None) -> tuple[list, list, dict]:
     else:
         train = families.make_tasks(t.family, t.train_tasks, seed=t.seed, difficulty=t.difficulty)
         heldout = families.make_tasks(t.family, t.eval_tasks, seed=t.seed + 1, split="heldout", difficulty=t.difficulty)
+    train, refused = _augmented(cfg, train)
     status = _validated(train + heldout, workdir, workers=cfg.env.workers)
-    excluded = collections.Counter(status[x.id] for x in train + heldout if status[x.id] != "pass")
+    excluded = collections.Counter({"augment_refused": refused} if refused else {})
+    excluded += collections.Counter(status[x.id] for x in train + heldout if status[x.id] != "pass")
     kept = lambda tasks: [x for x in tasks if status[x.id] == "pass"]  # noqa: E731
     if not kept(train) or not kept(heldout):
         raise ValueError(f"no {'training' if not kept(train) else 'held-out'} task passed the three checks "
                          f"(excluded by status: {dict(excluded)}); see {workdir}/validation.jsonl")
     return kept(train), kept(heldout), dict(excluded)
+
+
+def validation_tasks(cfg, train: list, heldout: list) -> list:
+    """`rl.validate_tasks` tasks for periodic validation during training, from another seed
+    (`task.seed + 2`) and neither training nor held-out tasks: a run that picks its policy
+    by validation does not pick it on the held-out tasks."""
+    n = cfg.rl.get("validate_tasks", 0)
+    if not n or not cfg.rl.get("validate_every", 0):
+        return []
+    t, taken = cfg.task, {x.id for x in train + heldout}
+    if t.get("harbor_dir"):
+        return train[:n]  # a directory has no other seed: its training tasks, as a training-curve check
+    pool = families.make_tasks(t.family, 2 * n, seed=t.seed + 2, difficulty=t.difficulty)
+    fresh = [x for x in pool if x.id not in taken][:n]
+    if agentic(cfg):
+        status = _validated(fresh, None, workers=cfg.env.workers)
+        fresh = [x for x in fresh if status[x.id] == "pass"]
+    return fresh
+
+
+def _augmented(cfg, tasks: list) -> tuple[list, int]:
+    """The tasks and, for `task.augment_fraction` of them, a perturbed copy (module
+    docstring); the number of copies refused because the perturbation broke the task."""
+    kinds = [k.strip() for k in (cfg.task.get("augment") or "").split(",") if k.strip()]
+    if not kinds:
+        return tasks, 0
+    rng = random.Random(f"augment:{cfg.task.seed}")
+    out, refused = list(tasks), 0
+    for task in tasks:
+        if rng.random() < cfg.task.get("augment_fraction", 0.5):
+            try:
+                out.append(augment.augment(task, kinds, rng))
+            except (ValueError, TypeError) as err:
+                log.debug("augmentation of %s refused: %s", task.id, err)
+                refused += 1
+    return out, refused
 
 
 def _validated(tasks: list[HarborTask], workdir: str | None, workers: int) -> dict[str, str]:
@@ -135,7 +178,7 @@ class RolloutFactory:
             e = cfg.env
             return Episode(task, make_env(cfg), self.chat, turn_tokens=e.turn_tokens, window=self.window,
                            temperature=temperature, seed=self.seed + rid, session_id=f"{session}-{rid}",
-                           deadline=time.time() + e.episode_seconds if e.episode_seconds else None,
+                           seconds=e.episode_seconds or None,
                            compaction=self.compaction, blank_observations=self.blank)
         prompt = ro.encode(task.prompt)
         c = self.compaction

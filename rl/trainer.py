@@ -27,6 +27,7 @@ the work after it, which the resumed run redoes, once.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import json
 import logging
@@ -39,8 +40,11 @@ from safetensors import SafetensorError
 from tqdm.auto import tqdm
 
 import glmjax
+from envs import evaluate as evaluate_matrix
 from envs import families
 from envs.base import is_full
+from envs.reward import RewardConfig
+from envs.reward import reward as shape
 from glmjax import presets
 from glmjax import train as lm_train
 from rl import rollout as ro
@@ -51,7 +55,9 @@ from rl.collector import Collector, drive
 from rl.compaction import Compaction, oracle_segments
 from rl.driver import Driver
 from rl.engine import GlmEngine
+from rl.env_client import EngineClient
 from rl.learner import ALGORITHMS, Learner, ValueModel
+from rl.replay import BatchReplay
 from rl.weights import WeightStore
 
 log = logging.getLogger(__name__)
@@ -163,10 +169,30 @@ def evaluate(driver: Driver, tasks, max_new_tokens: int, compaction: Compaction 
     return evaluate_rollouts(driver, rollouts)["pass_rate"]
 
 
-def _evaluate(cfg, driver: Driver, tasks, **kw) -> dict:
-    make = rl_tasks.RolloutFactory(cfg, driver.engine.max_len - driver.engine.num_draft - 1, greedy=True, **kw)
+def _evaluate(cfg, driver: Driver, tasks, greedy: bool = True, **kw) -> dict:
+    make = rl_tasks.RolloutFactory(cfg, driver.engine.max_len - driver.engine.num_draft - 1, greedy=greedy, **kw)
     return evaluate_rollouts(driver, [make(t, i, session="eval") for i, t in enumerate(tasks)],
                              workers=cfg.env.workers if "env" in cfg else 4)
+
+
+def _matrix(cfg, engine: GlmEngine, heldout, workdir: str) -> dict:
+    """The evaluation matrix (envs/evaluate.py, as `glmjax-envs eval` runs it) on the final
+    weights through the engine client, the held-out tasks as its terminal category:
+    pass@k with bootstrap intervals, sampled at the RL temperature. Written to
+    workdir/eval_matrix.json."""
+    e, m = cfg.env, cfg.eval
+    driver = Driver(engine).start()
+    try:
+        report = evaluate_matrix.evaluate(
+            EngineClient(driver, chat=ByteChat()), categories=["terminal"], tasks={"terminal": heldout[:m.matrix_tasks]},
+            samples=m.samples, ks=[int(k) for k in str(m.ks).split(",")], model=os.path.join(workdir, "checkpoints"),
+            workers=engine.max_concurrent_decodes, max_turns=e.max_turns, max_tokens=e.turn_tokens,
+            temperature=cfg.rl.temperature, show_help=e.show_help)
+    finally:
+        driver.stop()
+    with open(os.path.join(workdir, "eval_matrix.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    return report
 
 
 class TaskStream:
@@ -208,6 +234,9 @@ def check_config(cfg) -> None:
         from envs.tool_calls import parser
 
         parser(cfg.env.action_format)
+    bad = {k.strip() for k in (task.get("augment") or "").split(",") if k.strip()} - {"distractor", "reorder"}
+    if bad:
+        raise ValueError(f"task.augment={task.augment!r} names {sorted(bad)}: expected distractor and/or reorder")
     if task.difficulty is not None and not 1 <= task.difficulty <= 5:
         raise ValueError(f"task.difficulty={task.difficulty!r} is invalid: expected 1..5, or None for all")
     if task.max_len > cfg.model.max_position_embeddings:
@@ -224,6 +253,7 @@ def check_config(cfg) -> None:
         raise ValueError(f"rl.eta={rl.eta} is invalid: expected >= 0 (0 = synchronous)")
     if rl.slots < 1:
         raise ValueError(f"rl.slots={rl.slots} is invalid: expected >= 1")
+    RewardConfig(shaping=rl.get("reward_shaping", "none"), alpha=rl.get("reward_alpha", 0.5))  # names a bad value
     _compaction(cfg)  # Compaction validates its own fields
 
 
@@ -256,15 +286,43 @@ class _Log:
         self.history.close()
 
 
-def _learn(learner: Learner, batch, cfg, rows: int) -> dict:
+def _scorer(cfg):
+    """The reward the learner sees: the verifier's, or shaped by task complexity
+    (`rl.reward_shaping`: envs/reward.py; "pass_rate" tracks each difficulty level's
+    running pass rate over this run's rollouts)."""
+    shaping = cfg.rl.get("reward_shaping", "none")
+    if shaping == "none":
+        return None
+    config = RewardConfig(shaping=shaping, alpha=cfg.rl.get("reward_alpha", 0.5))
+    seen = collections.defaultdict(lambda: [0, 0])  # difficulty -> [full rewards, rollouts]
+
+    def score(task, r):
+        passed, n = seen[task.difficulty]
+        shaped = shape(r.reward, task, config, pass_rate=passed / n if n else 0.5)
+        seen[task.difficulty][0] += is_full(r.reward)
+        seen[task.difficulty][1] += 1
+        return shaped
+
+    return score
+
+
+def _learn(learner: Learner, batch, cfg, rows: int, replay: BatchReplay | None) -> dict:
     """One learner step on a batch (GRPO: rows of one prompt share a group id; padding
-    rows are groups of their own)."""
+    and replayed rows are groups of their own), with `replay.rows` stored rows beside the
+    fresh ones when replay is on (rl/replay.py: BatchReplay)."""
     group = cfg.rl.get("group_size", 1)
+    extra = replay.rows if replay else 0
     group_ids = None
     if group > 1:
-        names = [tr.rollout_id // group for tr in batch] + [-1 - i for i in range(rows - len(batch))]
+        names = [tr.rollout_id // group for tr in batch] + [-1 - i for i in range(rows + extra - len(batch))]
         group_ids = np.unique(names, return_inverse=True)[1]
-    return learner.step(ro.to_batch(batch, length=cfg.task.max_len, rows=rows), group_ids=group_ids)
+    arrays = ro.to_batch(batch, length=cfg.task.max_len, rows=rows + extra)
+    if replay is None:
+        return learner.step(arrays, group_ids=group_ids)
+    arrays, weights, drawn = replay.fill(arrays, fresh=rows)
+    metrics = learner.step(arrays, group_ids=group_ids, row_weights=weights)
+    replay.update(arrays, learner.last_advantages, fresh=rows, drawn=drawn)
+    return dict(metrics, replay_size=float(len(replay.buffer)), replay_rows=float(drawn is not None) * extra)
 
 
 def run(cfg, workdir: str, make_rollout=None) -> dict:
@@ -276,6 +334,7 @@ def run(cfg, workdir: str, make_rollout=None) -> dict:
     start = time.time()
     rl = cfg.rl
     train_tasks, heldout, excluded = rl_tasks.task_sets(cfg, workdir)
+    validation = rl_tasks.validation_tasks(cfg, train_tasks, heldout)
     policy = build_base(cfg, workdir, demo_tasks=train_tasks[:cfg.base.demonstrations])
     critic = ValueModel(nnx.clone(policy)) if rl.algorithm in ("sao", "ppo") else None
     learner = Learner(policy, critic, dict(rl))
@@ -310,7 +369,7 @@ def run(cfg, workdir: str, make_rollout=None) -> dict:
     group = rl.get("group_size", 1)  # GRPO-style baselines sample G rollouts per prompt
     collector = Collector(driver, admission, make, stream, group_size=group, tau=rl.tau,
                           workers=cfg.env.workers if "env" in cfg else 2,
-                          env_timeout=cfg.env.episode_seconds if "env" in cfg else 600.0)
+                          env_timeout=cfg.env.episode_seconds if "env" in cfg else 600.0, score=_scorer(cfg))
     collector.dropped.update(before.get("dropped", {}))
     driver.start()
     loop_start = time.time()
@@ -318,6 +377,9 @@ def run(cfg, workdir: str, make_rollout=None) -> dict:
     yields = rl.get("generation_yields", True)
     rows = rl.batch_size * (compaction.max_segments if compaction else 1)  # one learner shape
     busy, last_step_at = before.get("learner_seconds", 0.0), time.time()
+    replay_cfg = dict(rl.get("replay") or {})
+    replay_on = replay_cfg.pop("enabled", False)
+    replay = BatchReplay(**replay_cfg, seed=cfg.seed) if replay_on else None
     while step < rl.steps:
         collector.poll(store.version)
         batch = collector.take(rl.batch_size)
@@ -330,7 +392,7 @@ def run(cfg, workdir: str, make_rollout=None) -> dict:
         else:
             driver.resume()
         t0 = time.time()
-        metrics = _learn(learner, batch, cfg, rows)
+        metrics = _learn(learner, batch, cfg, rows, replay)
         store.publish(nnx.state(policy))
         learner_s = time.time() - t0
         busy += learner_s
@@ -347,9 +409,19 @@ def run(cfg, workdir: str, make_rollout=None) -> dict:
         metrics["tokens_per_s"] = sum(len(tr.completion) for tr in batch) / max(now - last_step_at, 1e-9)
         last_step_at = now
         loop_s = earlier["rl_seconds"] + now - loop_start
+        if last[0].raw_reward is not None:
+            metrics["reward_raw"] = float(np.mean([tr.raw_reward for tr in last]))
         metrics.update(reward=float(np.mean([tr.reward for tr in last])), staleness_mean=float(np.mean(staleness)),
                        learner_s=learner_s, learner_busy_fraction=busy / max(loop_s, 1e-9),
                        env_seconds_per_rollout=(earlier["env_seconds"] + collector.env_seconds) / max(rollouts, 1))
+        every = rl.get("validate_every", 0)
+        if every and step % every == 0 and validation:
+            driver.pause()  # validation has the machine: the training driver waits between steps
+            for name, greedy in (("greedy", True), ("sampled", False)):
+                result = _evaluate(cfg, Driver(engine), validation, greedy=greedy)
+                logs.eval({f"validation_{name}_pass_rate": result["pass_rate"]}, step)
+                metrics[f"validation_{name}_pass_rate"] = result["pass_rate"]
+            driver.resume()
         logs.step(step, {"version": store.version, "time": now - start, "tasks": [tr.task_id for tr in last]},
                   metrics, staleness)
         if step % cfg.checkpoint_every == 0 or step == rl.steps:
@@ -386,6 +458,9 @@ def run(cfg, workdir: str, make_rollout=None) -> dict:
                        env_time_fraction=collector.env_seconds / max(collector.rollout_seconds, 1e-9))
     with open(os.path.join(workdir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
+    if rl_tasks.agentic(cfg) and cfg.get("eval", {}).get("matrix_tasks", 0):
+        report = _matrix(cfg, engine, heldout, workdir)
+        print(evaluate_matrix.table(report), flush=True)
     logs.close()
     print(format_table(summary), flush=True)
     return summary

@@ -284,12 +284,3 @@ def test_opd_advantages_reverse_kl():
     adv = sao.opd_advantages(jnp.array([[-1.0, -2.0, 0.0]]), jnp.array([[-1.5, -1.0, -np.inf]]),
                              jnp.array([[1, 1, 0]]), kl_coef=2.0)
     np.testing.assert_allclose(adv, [[-1.0, 2.0, 0.0]])
-
-
-def test_shape_reward():
-    r, d = jnp.array([1.0, -1.0, 1.0]), jnp.array([0.5, 0.5, 2.0])
-    np.testing.assert_allclose(sao.shape_reward(r, d), r)
-    np.testing.assert_allclose(sao.shape_reward(r, d, scheme="scale"), [1.5, -1.5, 2.0])
-    np.testing.assert_allclose(sao.shape_reward(r, d, scheme="bonus", strength=0.5), [1.25, -1.0, 1.5])
-    with pytest.raises(ValueError, match="scheme='linear' is invalid"):
-        sao.shape_reward(r, d, scheme="linear")

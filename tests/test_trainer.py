@@ -101,3 +101,47 @@ def test_killed_run_resumes_with_the_same_next_steps_past_a_corrupt_checkpoint(t
     assert summary["steps"] == 4 and 0.0 <= summary["final_pass_rate"] <= 1.0
     assert summary["rollouts"] == whole["rollouts"] and summary["dropped"] == whole["dropped"]
     assert summary["resumed_from_step"] == 2 and summary["rl_seconds"] > 0
+
+
+def test_reward_shaping_replay_and_augmentation_run_inside_the_job(tmp_path):
+    """The launch notes' options, each on: shaped rewards (difficulty 2: weight 1.125) beside
+    the verifier's, replayed rows from the second step on, augmented training tasks."""
+    options = ["--config.rl.reward_shaping=difficulty", "--config.rl.reward_alpha=1.0", "--config.task.augment=reorder",
+               "--config.rl.replay.enabled=True", "--config.rl.replay.rows=4"]
+    subprocess.run(_cmd(tmp_path, *options), check=True, env=_env(), cwd=REPO, capture_output=True, timeout=900)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        assert abs(row["reward"] - 1.25 * row["reward_raw"]) < 1e-6, row  # 1 + alpha (d - 1) / 4 at d = 2
+    assert [r["replay_rows"] for r in rows] == [0.0, 4.0, 4.0, 4.0] and rows[-1]["replay_size"] == 24
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert 200 < summary["train_tasks"] < 400  # about half the 200 tasks have a reordered copy
+    assert any("-aug" in t for r in rows for t in r["tasks"])
+
+
+AGENT = ["--config.task.train_tasks=24", "--config.task.eval_tasks=8", "--config.base.demonstrations=24",
+         "--config.base.steps=4", "--config.rl.steps=4", "--config.rl.batch_size=4", "--config.rl.slots=4",
+         "--config.rl.eta=0", "--config.rl.critic_warmup=1", "--config.checkpoint_every=2",
+         "--config.rl.warmup_compile=False", "--config.eval.matrix_tasks=4", "--config.eval.samples=2",
+         "--config.eval.ks=1,2"]
+
+
+def test_a_killed_agentic_run_resumes(tmp_path):
+    cmd = [sys.executable, "-c", KILLED, "--config", str(REPO / "configs" / "sao_agent_tiny.py"), "--workdir",
+           str(tmp_path), *AGENT]
+    killed = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, timeout=900)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr.decode()[-2000:]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["2"]
+    checked = (tmp_path / "validation.jsonl").read_text().splitlines()
+    out = subprocess.run(_cmd(tmp_path)[:3] + cmd[3:], check=True, env=_env(), cwd=REPO, capture_output=True,
+                         timeout=900)
+    assert "resumed from step 2 (" in out.stdout.decode()
+    assert (tmp_path / "validation.jsonl").read_text().splitlines() == checked  # not checked again
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["rollouts"] == 16 and summary["resumed_from_step"] == 2
+    assert summary["train_tasks"] + summary["heldout_tasks"] + sum(summary["excluded_tasks"].values()) == 32
+    assert summary["final_turns_per_episode"] >= 1 and 0 < summary["env_time_fraction"] < 1
+    assert 0.0 <= summary["final_pass_rate_blind"] <= 1.0
+    matrix = json.loads((tmp_path / "eval_matrix.json").read_text())["categories"]["terminal"]
+    assert matrix["tasks"] == 4 and set(matrix["pass_at_k"]) == {"pass@1", "pass@2"}
+    low, high = matrix["pass_at_k"]["pass@2"]["ci95"]
+    assert low <= matrix["pass_at_k"]["pass@2"]["value"] <= high
