@@ -190,9 +190,9 @@ class RunResult:
     def signal(self) -> str | None:
         return signal.Signals(-self.returncode).name if self.returncode < 0 else None
 
-    def summary(self) -> str:
+    def summary(self, timing: bool = True) -> str:
         why = self.killed or self.signal or f"exit {self.returncode}"
-        return f"[{why}, {self.seconds:.2f}s{', output truncated' if self.truncated else ''}]"
+        return f"[{why}{f', {self.seconds:.2f}s' if timing else ''}{', output truncated' if self.truncated else ''}]"
 
 
 class Sandbox:

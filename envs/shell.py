@@ -7,7 +7,9 @@
     env.close()
 
 Actions are read in ``action_format`` (``envs/tool_calls.py``: ``"bash"`` tags or GLM's
-``"glm"`` tool calls); ``finish()`` ends an episode whose agent ran out of budget.
+``"glm"`` tool calls); ``finish()`` ends an episode whose agent ran out of budget. ``timing=False`` leaves the
+seconds out of each command's status line (``[exit 0]``), so that the same commands
+give the same observations.
 
 The episode ends at ``<submit/>``, after ``max_turns`` actions, or when the task's agent
 time (``HarborTask.agent_timeout``, summed over commands) is spent; the tests are copied
@@ -47,8 +49,9 @@ class ShellEnv:
     def __init__(self, *, limits: Limits = Limits(wall_seconds=20.0), max_turns: int = 16,
                  observation_bytes: int = 4096, network: str = "none", filesystem: str = "auto",
                  noise: Callable[[str, random.Random], str] | None = None, seed: int = 0, show_help: bool = True,
-                 action_format: str = "bash"):
+                 action_format: str = "bash", timing: bool = True):
         self.parse = tool_calls.parser(action_format)
+        self.timing = timing
         self.limits, self.max_turns, self.observation_bytes = limits, max_turns, observation_bytes
         self.sandbox_args = {"network": network, "filesystem": filesystem}
         self.noise, self.rng, self.show_help = noise, random.Random(seed), show_help
@@ -97,7 +100,7 @@ class ShellEnv:
                 self.stats["commands"] += 1
                 self.stats["killed"] += result.killed is not None
                 parts.append(f"{result.output}{'' if result.output.endswith(chr(10)) or not result.output else chr(10)}"
-                             f"{result.summary()}")
+                             f"{result.summary(self.timing)}")
         except SandboxError as err:
             return self._finish(0.0, {"error": str(err)})
         observation = clip("\n".join(parts), self.observation_bytes) + "\n"

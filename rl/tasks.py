@@ -147,7 +147,8 @@ def _validated(tasks: list[HarborTask], workdir: str | None, workers: int) -> di
 def make_env(cfg) -> ShellEnv:
     e = cfg.env
     return ShellEnv(limits=Limits(wall_seconds=e.command_seconds), max_turns=e.max_turns,
-                    observation_bytes=e.observation_bytes, show_help=e.show_help, action_format=e.action_format)
+                    observation_bytes=e.observation_bytes, show_help=e.show_help, action_format=e.action_format,
+                    timing=e.get("timing", True))
 
 
 def compaction(cfg) -> Compaction | None:

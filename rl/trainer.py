@@ -105,7 +105,9 @@ def build_base(cfg, workdir: str, demo_tasks=()) -> glmjax.GlmForCausalLM:
     """The supervised starting point, trained once and cached in workdir/base. A cache
     that does not read (a truncated weight file) is moved aside to base.corrupt, with a
     warning, and the base is trained again: it is the same model for the same config.
-    `demo_tasks`: the tasks whose oracle episodes an agentic base learns from."""
+    An agentic base learns from oracle episodes of generated tasks (`base.demonstrations`
+    of them, seed `base.seed`), or of `demo_tasks` (the training tasks) from a Harbor dir;
+    a demonstration that its verifier does not reward stops the job, naming the task."""
     path = os.path.join(workdir, "base")
     if os.path.exists(os.path.join(path, "config.json")):
         log.info("loading the cached base model from %s", path)
@@ -118,6 +120,11 @@ def build_base(cfg, workdir: str, demo_tasks=()) -> glmjax.GlmForCausalLM:
     model_cfg = presets.model_config_from(cfg)
     model = glmjax.init_model(model_cfg, seed=cfg.base.seed)
     if rl_tasks.agentic(cfg):
+        if cfg.task.get("harbor_dir"):  # a directory's tasks are what there is to demonstrate
+            demo_tasks = list(demo_tasks)[:cfg.base.demonstrations]
+        else:
+            demo_tasks = families.make_tasks(cfg.task.family, cfg.base.demonstrations, seed=cfg.base.seed,
+                                             difficulty=cfg.task.difficulty)
         ids, mask = episode_demonstrations(cfg, demo_tasks)
     else:
         tasks = families.make_tasks(cfg.task.family, cfg.base.demonstrations, seed=cfg.base.seed,
@@ -335,7 +342,7 @@ def run(cfg, workdir: str, make_rollout=None) -> dict:
     rl = cfg.rl
     train_tasks, heldout, excluded = rl_tasks.task_sets(cfg, workdir)
     validation = rl_tasks.validation_tasks(cfg, train_tasks, heldout)
-    policy = build_base(cfg, workdir, demo_tasks=train_tasks[:cfg.base.demonstrations])
+    policy = build_base(cfg, workdir, demo_tasks=train_tasks)
     critic = ValueModel(nnx.clone(policy)) if rl.algorithm in ("sao", "ppo") else None
     learner = Learner(policy, critic, dict(rl))
     store = WeightStore(nnx.state(policy))
