@@ -47,6 +47,6 @@ def get_config(arg=None):
         timing=False))
     # the evaluation matrix on the final weights (envs/evaluate.py): pass@k over held-out tasks
     config.eval = ml_collections.ConfigDict(dict(matrix_tasks=50, samples=4, ks="1,4"))
-    config.base.update(demonstrations=300, steps=150, batch_size=32, seq_len=128)
+    config.base.update(demonstrations=1000, steps=150, batch_size=32, seq_len=128)
     config.rl.update(steps=60, batch_size=32, slots=32)
     return config

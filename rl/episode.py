@@ -24,7 +24,9 @@ environment was reset (the env's `finish()` runs the verifier on the state as it
 With `compaction`, a history that would outgrow the window is summarised instead: the
 observation `compaction.open` asks for a summary, the model writes it up to
 `compaction.close`, and the episode continues in a new segment whose prompt is the task
-and the summary (each segment a learner row; all train with the episode's reward).
+and the summary, followed by the command output that did not fit, if that is what set
+it off (each segment a learner row; all train with the episode's reward). While an
+episode may still compact, every turn leaves room for OPEN and the summary.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class Episode:
         self._phase = "reset"
         self._turn: list[int] = []  # the last model turn's tokens
         self._summary: bool = False
+        self._pending: str | None = None  # an output that set off compaction, for the next segment
 
     # The protocol (rl/rollout.py) ------------------------------------------------------
     def next(self):
@@ -76,14 +79,13 @@ class Episode:
         if self._summary:
             budget = min(self.compaction.summary_tokens, self.window - len(context))
             return self._request(context, budget, (self.chat.encode_text(self.compaction.close)[0],))
-        room = self.window - len(context)
-        if room < self.min_turn_tokens or (self.compaction and room - self.compaction.reserve < self.min_turn_tokens):
-            if self.compaction and len(self.segments) + 1 < self.compaction.max_segments:
-                self._append(self.chat.encode_text(self.compaction.open), observation=True)
-                self._summary = True
+        room = self.window - len(context) - self._reserve
+        if room < self.min_turn_tokens:
+            if self._can_compact:
+                self._start_summary()
                 return self.next()
             return self._end("length")
-        budget = min(self.turn_tokens, room - (self.compaction.reserve if self.compaction else 0))
+        budget = min(self.turn_tokens, room)
         return self._request(context, budget, self.chat.stop_ids)
 
     def receive(self, result: Result) -> None:
@@ -135,23 +137,22 @@ class Episode:
                 self.prompt = self.chat.start(self.instruction, self.system)
                 self._phase = "model"
                 return
-            step = self.env.finish() if phase == "finish" else self.env.step(self.chat.decode(self._turn))
+            if phase == "finish":
+                return self._finish_now()
+            step = self.env.step(self.chat.decode(self._turn))
             if step.done:
-                self.reward, self.info = float(step.reward), dict(step.info)
-                self.finish_reason = self.finish_reason or ("error" if "error" in step.info else "stop")
-                self._phase = "done"
-                self.env.close()
-                return
+                return self._done(step)
             observation = "" if self.blank_observations else step.observation
             tokens = self.chat.observation(observation, after=self._turn)
-            if len(self.prompt) + len(self.row) + len(tokens) + self.min_turn_tokens > self.window:
-                self.finish_reason = "length"  # no room to read it and answer: the verifier decides now
-                step = self.env.finish()
-                self.reward, self.info, self._phase = float(step.reward), dict(step.info), "done"
-                self.env.close()
-                return
-            self._append(tokens, observation=True)
             self._phase = "model"
+            if len(self.prompt) + len(self.row) + len(tokens) + self.min_turn_tokens + self._reserve <= self.window:
+                self._append(tokens, observation=True)
+            elif self._can_compact:  # summarise first; the new segment opens with this output
+                self._pending = observation
+                self._start_summary()
+            else:  # no room to read it and answer: the verifier decides now
+                self.finish_reason = "length"
+                self._finish_now()
         finally:
             self.env_seconds += time.time() - start
 
@@ -162,13 +163,48 @@ class Episode:
         self.versions += [version] * len(tokens)
         self.obs_mask += [int(observation)] * len(tokens)
 
+    def _done(self, step) -> None:
+        self.reward, self.info = float(step.reward), dict(step.info)
+        self.finish_reason = self.finish_reason or ("error" if "error" in step.info else "stop")
+        self._phase = "done"
+        self.env.close()
+
+    def _finish_now(self) -> None:
+        self._done(self.env.finish())
+
+    @property
+    def _reserve(self) -> int:
+        """Tokens a turn leaves free for OPEN and a summary, while the episode may compact."""
+        return self.compaction.reserve if self._can_compact else 0
+
+    @property
+    def _can_compact(self) -> bool:
+        return self.compaction is not None and len(self.segments) + 1 < self.compaction.max_segments
+
+    def _start_summary(self) -> None:
+        self._append(self.chat.encode_text(self.compaction.open), observation=True)
+        self._summary = True
+
     def _new_segment(self) -> None:
-        """The summary is written: close the segment; the next starts from the task and it."""
+        """The summary is written: close the segment; the next starts from the task and the
+        summary (then the output that did not fit, if a command's output set it off)."""
         self.segments.append((self.prompt, self.row, self.log_probs, self.versions, self.obs_mask))
-        summary = self._turn
+        summary, version = self._turn, self.versions[-1]
         start = self.chat.start(self.instruction, self.system)
-        self.prompt = start[:-1] + self.chat.encode_text(self.compaction.open) + summary + start[-1:]
+        head = start[:-1] + self.chat.encode_text(self.compaction.open) + summary
         self.row, self.log_probs, self.versions, self.obs_mask = [], [], [], []
         self._summary = False
         if len(summary) == 0 or summary[-1] != self.chat.encode_text(self.compaction.close)[0]:
+            self.prompt = head + start[-1:]
             self._end("length")  # the summary overran its budget
+            return
+        if self._pending is None:
+            self.prompt = head + start[-1:]
+            return
+        self.prompt = head
+        tokens = self.chat.observation(self._pending, after=())  # its role token, the output, <|assistant|>
+        self._pending = None
+        self.row, self.log_probs = list(tokens), [0.0] * len(tokens)
+        self.versions, self.obs_mask = [version] * len(tokens), [1] * len(tokens)
+        if len(self.prompt) + len(self.row) + self.min_turn_tokens + self._reserve > self.window:
+            self._end("length")

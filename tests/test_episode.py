@@ -256,3 +256,52 @@ def test_collector_runs_one_turn_tasks_through_the_same_protocol(model):
     for t, r in zip(tasks, rollouts):
         assert r.reward == t.verify(r.text) and len(r.trajectories(0)) == 1
     assert list(itertools.chain(*(r.trajectories(0)[0].completion for r in rollouts)))
+
+
+class EndlessEnv(ScriptedEnv):
+    """Answers every action with the same output until the episode is finished."""
+
+    def step(self, action):
+        self.steps += 1
+        return Step("output\n", 0.0, False, {})
+
+    def finish(self):
+        return Step("", 1.0, True, {"finished": True})
+
+
+def test_an_episode_outgrowing_the_window_compacts_and_every_segment_trains_with_its_reward():
+    from rl.compaction import Compaction
+    from rl.driver import Request, Result
+
+    task = families.make_tasks("lookup", 1, seed=0)[0]
+    compaction = Compaction(window=90, summary_tokens=5, max_segments=3)
+    episode = Episode(task, EndlessEnv("ok"), CHAT, turn_tokens=12, window=90, compaction=compaction,
+                      min_turn_tokens=4)
+    close = CHAT.encode_text(compaction.close)
+    summaries = 0
+    while (work := episode.next()) is not None:
+        if not isinstance(work, Request):
+            work()
+            continue
+        assert len(work.prompt) + work.max_new_tokens <= 90
+        if work.prompt[-1] == CHAT.encode_text(compaction.open)[0]:  # the summary request
+            summaries += 1
+            tokens = CHAT.encode_text(f"s{summaries}") + close
+        else:
+            tokens = CHAT.encode_text("<bash>ls</bash>")[:work.max_new_tokens - 1] + [CHAT.tool_call_id]
+        episode.receive(Result(tokens, [-0.5] * len(tokens), [summaries] * len(tokens), "stop"))
+    rows = episode.trajectories(rollout_id=3)
+    assert summaries == 2 and len(rows) == 3 and episode.finish_reason == "length" and episode.reward == 1.0
+    assert [r.segment_index for r in rows] == [0, 1, 2] and [r.reward for r in rows] == [1.0] * 3
+    assert [r.finish_reason for r in rows] == ["compacted", "compacted", "length"]
+    for i, row in enumerate(rows[1:], 1):  # a new segment starts from the task and the summary
+        summary = CHAT.encode_text(compaction.open) + CHAT.encode_text(f"s{i}") + close
+        head = rows[0].prompt[:-1] + summary
+        assert row.prompt in (head, head + rows[0].prompt[-1:])
+        if row.prompt == head:  # the output that set compaction off opens the segment, as an observation
+            opening = CHAT.observation("output\n", after=())
+            assert row.completion[:len(opening)] == opening and all(row.observation_mask[:len(opening)])
+    for row in rows[:2]:  # the summary is the segment's last action; the OPEN before it is not one
+        assert row.completion[-len(close) - 2:] == CHAT.encode_text(f"s{rows.index(row) + 1}") + close
+        assert row.observation_mask[-len(close) - 3] == 1
+    assert all(len(r.prompt) + len(r.completion) <= 90 for r in rows)

@@ -1,14 +1,14 @@
 """Lookup tasks: the answer is in a file the agent has to read, small enough for a tiny
 byte-level model to learn agentic RL on, and impossible without reading observations.
 
-    d1  "Write the value of oak in kv to ans."       kv: elm=41 / oak=37 / fir=88 ...
-        agent:  <bash>grep oak= kv</bash>  ->  oak=37  ->  <bash>echo 37 >ans</bash><submit/>
+    d1  "Write the value of oak in kv to ans."       kv: elm=teal / oak=ruby / fir=snow ...
+        agent:  <bash>grep oak= kv</bash>  ->  oak=ruby  ->  <bash>echo ruby >ans</bash><submit/>
     d2  the value is a reference "@f4": the answer is the content of file f4 (one more turn):
         "Write the value of oak in kv to ans. @F: file F holds it."
     d3+ more lines, keys that share a prefix (grep oak matches oak and oaky)
 
-The values are random, so an agent that does not read what its command printed can only
-guess. Each task carries its demonstration (``metadata["demonstration"]``: the agent's
+The values are drawn from 16 colour names, so an agent that does not read what its
+command printed can only guess (one in 16). Each task carries its demonstration (``metadata["demonstration"]``: the agent's
 actions, as above) for supervised warm-up; the observations in between come from running
 them. The verifier is one shell comparison (cheap enough to run thousands of episodes).
 """
@@ -20,6 +20,7 @@ import random
 from envs.families.pattern import Pattern, Spec
 
 _KEYS = "ash elm fir oak yew bay box fig gum ivy lime nut pear plum rose sage teak vine".split()
+_VALUES = "red tan blue cyan gold gray navy pink ruby sand teal wine amber coral olive snow".split()
 
 VERIFY_SH = """#!/bin/bash
 # Written from the task's specification, without the reference solution.
@@ -33,7 +34,7 @@ def _lookup(rng: random.Random, d: int) -> Spec:
     keys = rng.sample(_KEYS, n)
     if d >= 3:  # a distractor whose name starts with the key: grep without '=' finds both
         keys[1] = keys[0] + rng.choice("sy")
-    values = [str(rng.randint(10, 99)) for _ in keys]
+    values = [rng.choice(_VALUES) for _ in keys]
     key, answer = keys[0], values[0]
     files, hops = {}, []
     if d >= 2:
