@@ -44,6 +44,7 @@ from envs import evaluate as evaluate_matrix
 from envs import families
 from envs.base import is_full
 from envs.reward import RewardConfig
+from envs.sandbox import Limits
 from envs.reward import reward as shape
 from glmjax import presets
 from glmjax import train as lm_train
@@ -194,7 +195,8 @@ def _matrix(cfg, engine: GlmEngine, heldout, workdir: str) -> dict:
             EngineClient(driver, chat=ByteChat()), categories=["terminal"], tasks={"terminal": heldout[:m.matrix_tasks]},
             samples=m.samples, ks=[int(k) for k in str(m.ks).split(",")], model=os.path.join(workdir, "checkpoints"),
             workers=engine.max_concurrent_decodes, max_turns=e.max_turns, max_tokens=e.turn_tokens,
-            temperature=cfg.rl.temperature, show_help=e.show_help)
+            temperature=cfg.rl.temperature, show_help=e.show_help, timing=e.get("timing", True),
+            limits=Limits(wall_seconds=e.command_seconds))
     finally:
         driver.stop()
     with open(os.path.join(workdir, "eval_matrix.json"), "w") as f:
