@@ -112,7 +112,8 @@ def test_reward_shaping_replay_and_augmentation_run_inside_the_job(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     for row in rows:
         assert abs(row["reward"] - 1.25 * row["reward_raw"]) < 1e-6, row  # 1 + alpha (d - 1) / 4 at d = 2
-    assert [r["replay_rows"] for r in rows] == [0.0, 4.0, 4.0, 4.0] and rows[-1]["replay_size"] == 24
+    assert [r["replay_rows"] for r in rows] == [0.0, 4.0, 4.0, 4.0]  # from the second step on
+    assert [r["replay_size"] for r in rows] == [8, 16, 24, 32]  # every fresh row is stored
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert 200 < summary["train_tasks"] < 400  # about half the 200 tasks have a reordered copy
     assert any("-aug" in t for r in rows for t in r["tasks"])
