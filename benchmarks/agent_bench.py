@@ -9,11 +9,14 @@ the tiny agentic model (configs/sao_agent_tiny.py's shape, random weights). Each
 environment step also waits a log-normal delay (median `--delay-ms`, sigma `--sigma`):
 the latency of a real command, a build or a test run.
 
-- Synchronous: turn by turn in lockstep, as a loop without an environment pool does it:
-  every episode's model turn is generated, then every episode's environment step runs
-  (all at once, in the pool), and the engine waits for the slowest before the next turn.
-- Asynchronous (rl/collector.py: `drive`): an episode's next turn is queued as soon as
-  its own environment step returns; the engine keeps decoding the others meanwhile.
+Each arm plays `--episodes` episodes, `--slots` at a time:
+- Synchronous: batches of `--slots` episodes, turn by turn in lockstep, as a loop without
+  an environment pool does it: every episode's model turn is generated, then every
+  episode's environment step runs (all at once, in the pool), and the engine waits for
+  the slowest before the next turn; the next batch starts when the whole batch is done.
+- Asynchronous (rl/collector.py: `drive` with `max_active`): an episode's next turn is
+  queued as soon as its own environment step returns, a new episode starts as soon as
+  one ends, and the engine keeps decoding the others meanwhile.
 
 Figures, the median over `--repeats` repeats run in alternation (sync, async, sync, ...),
 each arm's CPU time over wall time recorded: episodes per second of each arm and
@@ -108,20 +111,22 @@ def synchronous(driver: Driver, eps: list[Episode], pool) -> dict:
     return {"env_wait_s": env_wait}
 
 
-def asynchronous(driver: Driver, eps: list[Episode], pool_size: int) -> dict:
-    drive(driver, eps, workers=pool_size)
+def asynchronous(driver: Driver, eps: list[Episode], pool_size: int, slots: int) -> dict:
+    drive(driver, eps, workers=pool_size, max_active=slots)
     return {}
 
 
-def arm(name: str, driver: Driver, eps: list[Episode], workers: int) -> dict:
+def arm(name: str, driver: Driver, eps: list[Episode], workers: int, slots: int) -> dict:
     driver.trace = []
     driver.stats.clear()
     wall, cpu = time.perf_counter(), time.process_time()
     if name == "sync":
+        extra = {"env_wait_s": 0.0}
         with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            extra = synchronous(driver, eps, pool)
+            for i in range(0, len(eps), slots):
+                extra["env_wait_s"] += synchronous(driver, eps[i:i + slots], pool)["env_wait_s"]
     else:
-        extra = asynchronous(driver, eps, workers)
+        extra = asynchronous(driver, eps, workers, slots)
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     busy = sum(end - start for start, end, _ in driver.trace)
     turns = [e.turns for e in eps]
@@ -136,10 +141,11 @@ def arm(name: str, driver: Driver, eps: list[Episode], workers: int) -> dict:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(REPO / "results" / "agent_bench.json"))
-    p.add_argument("--episodes", type=int, default=16)
+    p.add_argument("--episodes", type=int, default=64)
+    p.add_argument("--slots", type=int, default=16)
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--turn-tokens", type=int, default=16)
-    p.add_argument("--max-len", type=int, default=208)
+    p.add_argument("--max-len", type=int, default=384)
     p.add_argument("--delay-ms", type=float, default=150.0)
     p.add_argument("--sigma", type=float, default=1.0)
     p.add_argument("--workers", type=int, default=16)
@@ -147,16 +153,18 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     use_compile_cache()
     cfg = load_config(str(REPO / "configs" / "sao_agent_tiny.py"))
+    cfg.model.max_position_embeddings = args.max_len  # room for three turns of unparsed output
+    cfg.model.index_topk = args.max_len
     model = glmjax.init_model(presets.model_config_from(cfg), seed=0)
-    engine = GlmEngine(model, max_concurrent_decodes=args.episodes, max_len=args.max_len)
+    engine = GlmEngine(model, max_concurrent_decodes=args.slots, max_len=args.max_len)
     engine.warmup()
     driver = Driver(engine, record_trace=True)
     tasks = families.make_tasks("lookup", args.episodes, seed=0, difficulty=2)
     runs = {"sync": [], "async": []}
-    arm("async", driver, episodes(args, tasks, seed=999), args.workers)  # warm-up: every shape compiled
+    arm("async", driver, episodes(args, tasks, seed=999), args.workers, args.slots)  # warm-up: shapes compiled
     for r in range(args.repeats):
         for name in ("sync", "async"):
-            runs[name].append(arm(name, driver, episodes(args, tasks, seed=r), args.workers))
+            runs[name].append(arm(name, driver, episodes(args, tasks, seed=r), args.workers, args.slots))
             print(name, {k: round(v, 3) for k, v in runs[name][-1].items()}, flush=True)
     med = {name: {k: statistics.median(x[k] for x in rs) for k in rs[0]} for name, rs in runs.items()}
     out = {

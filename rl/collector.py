@@ -171,11 +171,28 @@ class Collector:
         self.pool.shutdown(wait=False, cancel_futures=True)
 
 
-def drive(driver: Driver, rollouts, workers: int = 4) -> None:
+def drive(driver: Driver, rollouts, workers: int = 4, max_active: int | None = None) -> None:
     """Runs every rollout to its end from this thread (the driver not started): the engine
     steps while any model turn is queued or decoding, environment work runs in a pool. A
-    rollout whose environment raises ends without a reward (`finish_reason="env_error"`)."""
+    rollout whose environment raises ends without a reward (`finish_reason="env_error"`).
+    `rollouts` may be any iterable; with `max_active`, at most that many are in flight and
+    the next starts as soon as one ends."""
     waiting = {}  # driver handle or pool future -> rollout
+    pending = iter(rollouts)
+    active = [0]
+
+    def end(r, pool):
+        r.close()
+        active[0] -= 1
+        refill(pool)
+
+    def refill(pool):
+        while max_active is None or active[0] < max_active:
+            r = next(pending, None)
+            if r is None:
+                return
+            active[0] += 1
+            advance(r, pool)
 
     def advance(r, pool):
         try:
@@ -183,17 +200,16 @@ def drive(driver: Driver, rollouts, workers: int = 4) -> None:
         except Exception as err:
             log.warning("rollout failed: %r", err)
             r.finish_reason = "env_error"
-            return r.close()
+            return end(r, pool)
         if isinstance(work, Request):
             waiting[driver.submit(work)] = r
         elif work is not None:
             waiting[pool.submit(work)] = r
         else:
-            r.close()
+            end(r, pool)
 
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="glmjax-env") as pool:
-        for r in rollouts:
-            advance(r, pool)
+        refill(pool)
         while waiting:
             if driver.load:
                 driver.step()
@@ -207,6 +223,6 @@ def drive(driver: Driver, rollouts, workers: int = 4) -> None:
                 elif key.exception() is not None:
                     log.warning("environment failed: %r", key.exception())
                     r.finish_reason = "env_error"
-                    r.close()
+                    end(r, pool)
                     continue
                 advance(r, pool)
