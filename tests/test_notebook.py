@@ -13,7 +13,7 @@ from nbclient import NotebookClient
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOK = REPO / "notebooks" / "ablations.ipynb"
-ARMS = {"sao", "grpo", "indexshare_off", "compaction_on", "compaction_off"}
+ARMS = {"sao", "grpo", "indexshare_off", "compaction_on", "compaction_off", "shaping", "replay", "augment"}
 
 
 def with_parameters(nb, **params):
@@ -47,6 +47,8 @@ def test_notebook_runs_in_smoke_mode(tmp_path, monkeypatch):
         assert arm["steps"] == r["rl_steps"], name
         assert 0.0 <= arm["base_pass_rate"] <= 1.0 and 0.0 <= arm["final_pass_rate"] <= 1.0, name
     assert r["arms"]["grpo"]["algorithm"] == "grpo" and r["arms"]["sao"]["algorithm"] == "sao"
+    assert [r["arms"][a]["overrides"] for a in ("shaping", "replay", "augment")] == [
+        ["rl.reward_shaping=pass_rate"], ["rl.replay.enabled=True"], ["task.augment=distractor,reorder"]]
     assert r["indexshare_speed"]["sao"]["forward_ms"] > 0 and r["indexshare_speed"]["indexshare_off"]["forward_ms"] > 0
     assert figure.stat().st_size > 10_000
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
