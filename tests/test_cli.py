@@ -51,8 +51,9 @@ def _error(capsys, argv, main=cli.main) -> str:
      f"--config {SAO}: rl.algorithm='grpo' compares rollouts of one prompt: set rl.group_size >= 2"),
     (SAO, ["--config.rl.group_size=3"], f"--config {SAO}: rl.batch_size=64 must be a positive multiple of "
                                         "rl.group_size=3"),
-    (SAO, ["--config.task.family=sortin"], f"--config {SAO}: task.family='sortin' is not a text task family: expected "
-                                           "one of ['arithmetic', 'counting', 'program', 'sorting', 'strings']"),
+    (SAO, ["--config.task.family=sortin"], f"--config {SAO}: task.family='sortin' is unknown: expected a text family "
+                                           "['arithmetic', 'counting', 'program', 'sorting', 'strings'] or a sandboxed "
+                                           "one ['code_repair', 'lookup', 'ml_infra', 'security', 'terminal']"),
     (SAO, ["--config.task.max_len=100"], f"--config {SAO}: task.max_len=100 exceeds "
                                          "model.max_position_embeddings=64"),
     (SAO, ["--config.rl.compaction.enabled=True", "--config.rl.compaction.summary_tokens=1"],
