@@ -177,10 +177,15 @@ def evaluate(driver: Driver, tasks, max_new_tokens: int, compaction: Compaction 
     return evaluate_rollouts(driver, rollouts)["pass_rate"]
 
 
+def _env_setting(cfg, name: str, default):
+    """`cfg.env.<name>`; one-turn jobs have no `env` section and take `default`."""
+    return cfg.env[name] if "env" in cfg else default
+
+
 def _evaluate(cfg, driver: Driver, tasks, greedy: bool = True, **kw) -> dict:
     make = rl_tasks.RolloutFactory(cfg, driver.engine.max_len - driver.engine.num_draft - 1, greedy=greedy, **kw)
     return evaluate_rollouts(driver, [make(t, i, session="eval") for i, t in enumerate(tasks)],
-                             workers=cfg.env.workers if "env" in cfg else 4)
+                             workers=_env_setting(cfg, "workers", 4))
 
 
 def _matrix(cfg, engine: GlmEngine, heldout, workdir: str) -> dict:
@@ -377,8 +382,8 @@ def run(cfg, workdir: str, make_rollout=None) -> dict:
     make = make_rollout or rl_tasks.RolloutFactory(cfg, window)
     group = rl.get("group_size", 1)  # GRPO-style baselines sample G rollouts per prompt
     collector = Collector(driver, admission, make, stream, group_size=group, tau=rl.tau,
-                          workers=cfg.env.workers if "env" in cfg else 2,
-                          env_timeout=cfg.env.episode_seconds if "env" in cfg else 600.0, score=_scorer(cfg))
+                          workers=_env_setting(cfg, "workers", 2),
+                          env_timeout=_env_setting(cfg, "episode_seconds", 600.0), score=_scorer(cfg))
     collector.dropped.update(before.get("dropped", {}))
     driver.start()
     loop_start = time.time()
