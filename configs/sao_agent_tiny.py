@@ -33,8 +33,8 @@ def get_config(arg=None):
     config = load_config(os.path.join(here, "sao_tiny.py"))
     config.model.vocab_size = ByteChat.vocab_size
     config.model.max_position_embeddings = 208
-    # Attention over the whole episode: supervised training leaves the lightning indexer
-    # untrained, and a random top-16 of 125 keys cannot copy a value out of an observation.
+    # Attention over the whole episode (every key is in the top-k): a 150-step indexer
+    # choosing 16 of 125 keys would decide whether the value in an observation is read.
     config.model.index_topk = 208
     config.task = ml_collections.ConfigDict(dict(
         family="lookup", difficulty=1, seed=0, train_tasks=300, eval_tasks=100, max_len=128, max_new_tokens=48,

@@ -36,10 +36,10 @@ def get_config(arg=None):
         # adversarial copies of training tasks (envs/augment.py): "", "distractor", "reorder"
         augment="", augment_fraction=0.5))
     config.base = ml_collections.ConfigDict(dict(
-        demonstrations=3000, steps=130, batch_size=64, seq_len=28, learning_rate=3e-3, warmup=20, mtp_weight=0.3,
+        demonstrations=3000, steps=90, batch_size=64, seq_len=28, learning_rate=3e-3, warmup=20, mtp_weight=0.3,
         seed=0))
     config.rl = ml_collections.ConfigDict(dict(
-        algorithm="sao", steps=200, batch_size=64, group_size=1, slots=64, eta=2, tau=4, temperature=0.5,
+        algorithm="sao", steps=300, batch_size=64, group_size=1, slots=64, eta=2, tau=4, temperature=0.5,
         eps_low=0.2, eps_high=4.0, alpha=1.5, gamma=1.0, actor_lr=1e-4, critic_lr=1e-3, critic_steps=2,
         critic_warmup=10, freeze_critic_attention=False, grad_clip=1.0,
         # generation pauses while a complete next batch waits: the engine and the learner share the machine

@@ -37,7 +37,6 @@ from tqdm.auto import tqdm
 
 import glmjax
 from envs import families
-from glmjax import train as lm_train
 from rl import opd
 from rl import rollout as ro
 from rl import trainer
@@ -55,19 +54,14 @@ def domain_of(task) -> str:
     return task.metadata["family"]
 
 
-def supervised(model: glmjax.GlmForCausalLM, tasks, sft) -> glmjax.GlmForCausalLM:
-    """`sft.steps` supervised steps on the tasks' demonstrations (rl/trainer.py's recipe)."""
-    ids, mask = trainer.demonstrations(tasks, sft.seq_len)
-    opt = lm_train.make_optimizer(dict(sft), model)
-    rng = np.random.default_rng(sft.seed)
-    for _ in tqdm(range(sft.steps), desc="SFT", mininterval=1.0):
-        idx = rng.integers(0, len(ids), sft.batch_size)
-        lm_train.train_step(model, opt, {"input_ids": ids[idx], "loss_mask": mask[idx]}, mtp_weight=sft.mtp_weight)
-    return model
-
-
 def _demonstrations(t, n: int, seed: int):
     return families.make_tasks(t.family, n, seed=seed, difficulty=t.difficulty)
+
+
+def supervised(model: glmjax.GlmForCausalLM, tasks, sft) -> glmjax.GlmForCausalLM:
+    """rl/trainer.py's supervised recipe on the tasks' demonstrations."""
+    ids, mask = trainer.demonstrations(tasks, sft.seq_len)
+    return trainer.supervised(model, ids, mask, sft)
 
 
 def build_student(cfg, workdir: str) -> glmjax.GlmForCausalLM:

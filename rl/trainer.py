@@ -131,13 +131,24 @@ def build_base(cfg, workdir: str, demo_tasks=()) -> glmjax.GlmForCausalLM:
         tasks = families.make_tasks(cfg.task.family, cfg.base.demonstrations, seed=cfg.base.seed,
                                     difficulty=cfg.task.difficulty)
         ids, mask = demonstrations(tasks, cfg.base.seq_len, _compaction(cfg))
-    opt = lm_train.make_optimizer(dict(cfg.base), model)
-    rng = np.random.default_rng(cfg.base.seed)
-    for _ in tqdm(range(cfg.base.steps), desc="base model (SFT)", mininterval=1.0):
-        idx = rng.integers(0, len(ids), cfg.base.batch_size)
-        lm_train.train_step(model, opt, {"input_ids": ids[idx], "loss_mask": mask[idx]},
-                            mtp_weight=cfg.base.mtp_weight)
+    supervised(model, ids, mask, cfg.base, desc="base model (SFT)")
     glmjax.save_pretrained(model, path)
+    return model
+
+
+def supervised(model: glmjax.GlmForCausalLM, ids, mask, sft, desc: str = "SFT") -> glmjax.GlmForCausalLM:
+    """`sft.steps` supervised steps on demonstration arrays (ids, loss mask [n, T]), batches
+    drawn with `sft.seed`. DSA's sparse stage (glmjax/train.py) by default: the lightning
+    indexer learns, from the attention it serves, which keys to keep; a model whose top-k
+    is smaller than its context and whose indexer stayed at its init would attend to an
+    arbitrary subset of keys. `sft.indexer_stage` None trains the LM losses only."""
+    stage = sft.get("indexer_stage", "sparse")
+    opt = lm_train.make_optimizer(dict(sft), model, trainable=lm_train.TRAINABLE[stage])
+    rng = np.random.default_rng(sft.seed)
+    for _ in tqdm(range(sft.steps), desc=desc, mininterval=1.0):
+        idx = rng.integers(0, len(ids), sft.batch_size)
+        lm_train.train_step(model, opt, {"input_ids": ids[idx], "loss_mask": mask[idx]}, mtp_weight=sft.mtp_weight,
+                            indexer_stage=stage)
     return model
 
 

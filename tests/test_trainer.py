@@ -59,6 +59,21 @@ def _same_steps(resumed, uninterrupted, steps):
                 assert x == y, (step, key)
 
 
+def _assert_indexer_trained(path):
+    """The base's SFT is DSA's sparse stage: every main layer's indexer moved from its init
+    (only the MTP layer's, which has no KL, stays)."""
+    import jax
+    from flax import nnx
+
+    import glmjax
+
+    trained = glmjax.from_pretrained(str(path))
+    init = glmjax.init_model(trained.config, seed=0)
+    pick = nnx.All(nnx.PathContains("indexer"), nnx.Not(nnx.PathContains("mtp")))
+    moved = jax.tree.map(lambda x, y: bool((x != y).any()), nnx.state(trained, pick), nnx.state(init, pick))
+    assert jax.tree.leaves(moved) and all(jax.tree.leaves(moved)), moved
+
+
 def test_killed_run_resumes_with_the_same_next_steps_past_a_corrupt_checkpoint(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     subprocess.run(_cmd(a), check=True, env=_env(), cwd=REPO, capture_output=True, timeout=900)
@@ -66,6 +81,7 @@ def test_killed_run_resumes_with_the_same_next_steps_past_a_corrupt_checkpoint(t
     assert sorted(uninterrupted) == [1, 2, 3, 4]
     whole = json.loads((a / "summary.json").read_text())
     assert whole["rollouts"] == 4 * 8 and whole["resumed_from_step"] is None
+    _assert_indexer_trained(a / "base")
 
     b.mkdir()
     subprocess.run(["cp", "-r", str(a / "base"), str(b / "base")], check=True)
