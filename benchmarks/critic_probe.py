@@ -123,7 +123,8 @@ def train_critic(base, cfg, fit, test_batch, lr: float, steps: int, seed: int) -
                       gamma=cfg.rl.gamma, steps=cfg.rl.critic_steps, clipped=False)
         if (step + 1) % max(1, steps // 4) == 0:
             curve.append({"step": step + 1, **_critic_ev(np.asarray(critic(test_batch.tokens)), test_batch)})
-    return {"critic_lr": lr, "steps": steps, "curve": curve, "final": curve[-1], "seconds": time.time() - start}
+    return {"critic_lr": lr, "steps": steps, "ev_all_tokens": curve[-1]["all_tokens"],
+            "ev_first_token": curve[-1]["first_token"], "curve": curve, "seconds": time.time() - start}
 
 
 def main(argv=None) -> dict:
@@ -162,7 +163,8 @@ def main(argv=None) -> dict:
     pathlib.Path(args.out).write_text(json.dumps(report, indent=1))
     print(json.dumps({k: v for k, v in report.items() if k != "critic"}, indent=1))
     for c in report["critic"]:
-        print(f"critic_lr {c['critic_lr']:g}: explained variance {c['final']}")
+        print(f"critic_lr {c['critic_lr']:g}: explained variance {c['ev_all_tokens']:.3f} "
+              f"(first token {c['ev_first_token']:.3f})")
     return report
 
 
