@@ -140,7 +140,6 @@ def _critic_phase(critic, optimizer, batch, weights, alpha, gamma, steps, clippe
 # Dozens of small ops each (GAE scans, rollout sums): one compiled call.
 _grpo_advantages = jax.jit(sao.grpo_advantages)
 _token_weights = jax.jit(sao.rollout_token_weights)
-_critic_update = nnx.jit(_critic_step, static_argnames=("clipped",))  # value pretraining
 
 
 class Learner:
@@ -234,15 +233,3 @@ class Learner:
         metrics["advantage_mean"] = float(np.sum(np.asarray(adv) * mask) / max(mask.sum(), 1))
         return {k: float(v) for k, v in metrics.items()}
 
-
-def pretrain_value(critic: ValueModel, batches, steps: int, lr: float = 1e-4) -> list[float]:
-    """Value pretraining for the cold start: regress V on Monte-Carlo returns (the outcome
-    reward, gamma 1) of rollouts from the initial policy. `batches` yields sao.Batch."""
-    opt = _optimizer(critic, lr, 1.0, nnx.All(nnx.Param, nnx.Not(nnx.PathContains("indexer"))))
-    losses = []
-    for _, batch in zip(range(steps), batches):
-        returns = sao.place_rewards(batch.rewards, batch.action_mask, batch.rollout_id, batch.segment_index)
-        returns = jnp.flip(jnp.cumsum(jnp.flip(returns, 1), 1), 1)
-        weights = _token_weights(batch.action_mask, batch.rollout_id)
-        losses.append(float(_critic_update(critic, opt, batch, returns, weights, clipped=False)["value_loss"]))
-    return losses
