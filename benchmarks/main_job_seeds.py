@@ -75,7 +75,7 @@ def run_seed(config: str, workdir: pathlib.Path, seed: int, extra: list[str], re
     rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     base, final = summary["base_pass_rate"], summary["final_pass_rate"]
     points = 100 * (final - base)
-    out = {"seed": seed, "command": " ".join(command[:3] + ["W"] + command[5:]),
+    out = {"seed": seed, "command": " ".join(command[:4] + ["W"] + command[5:]),
            "base_pass_rate": base, "final_pass_rate": final, "points": points,
            "relative_gain": summary["relative_gain"],
            "meets_plus_50_percent_and_15_points": bool(summary["relative_gain"] >= 0.5 - 1e-9 and points >= 15 - 1e-9),

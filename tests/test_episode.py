@@ -167,6 +167,57 @@ def test_a_hanging_command_and_a_crashing_verifier_each_drop_one_episode(model):
     assert admission.accepted == 6 and admission.dropped == 2 and admission.running == 0
 
 
+class AlternatingEnv(ScriptedEnv):
+    """Rewards 1 on even rollout ids, 0 on odd: each GRPO group has a winner and a loser."""
+
+    def __init__(self, rid: int):
+        super().__init__("ok")
+        self.rid = rid
+
+    def step(self, action):
+        step = super().step(action)
+        return step._replace(reward=float(self.rid % 2 == 0)) if step.done else step
+
+
+def test_grpo_groups_episodes_of_one_task_and_trains_on_their_relative_rewards(model):
+    """group_size 2 on episodes: a batch holds whole groups, both members the same task, and
+    the learner's GRPO step gives the winner a positive advantage and the loser a negative one."""
+    tasks = [dataclasses.replace(t, id=f"t{i}") for i, t in enumerate(families.make_tasks("lookup", 4, seed=2))]
+    driver = Driver(GlmEngine(model, max_concurrent_decodes=4, max_len=128))
+
+    def make(task, rid):
+        return Episode(task, AlternatingEnv(rid), CHAT, turn_tokens=6, window=120, temperature=1.0, seed=rid,
+                       session_id=f"g{rid}")
+
+    admission = ro.Admission(batch_size=4, eta=0, max_concurrent=4)
+    collector = Collector(driver, admission, make, itertools.cycle(tasks), group_size=2, workers=2)
+    driver.start()
+    try:
+        batch, deadline = None, time.time() + 60
+        while batch is None and time.time() < deadline:
+            collector.poll(0)
+            batch = collector.take(4)
+            time.sleep(0.01)
+    finally:
+        driver.stop()
+        collector.close()
+    assert batch is not None and sorted(tr.rollout_id for tr in batch) == [0, 1, 2, 3]
+    by_group = {}
+    for tr in batch:
+        by_group.setdefault(tr.rollout_id // 2, []).append(tr)
+    assert all(len({tr.task_id for tr in g}) == 1 and len(g) == 2 for g in by_group.values())
+    arrays = ro.to_batch(batch, length=128)
+    group_ids = np.asarray([tr.rollout_id // 2 for tr in batch])
+    cfg = dict(algorithm="grpo", eps_low=0.2, eps_high=0.2, alpha=1.5, actor_lr=1e-3, critic_lr=1e-3, temperature=1.0)
+    learner = Learner(nnx.clone(model), None, cfg)
+    metrics = learner.step(arrays, group_ids=group_ids)
+    assert np.isfinite(metrics["policy_loss"])
+    adv, mask = np.asarray(learner.last_advantages), np.asarray(arrays.action_mask) > 0
+    for i, tr in enumerate(batch):
+        assert np.all(np.sign(adv[i][mask[i]]) == (1 if tr.reward == 1.0 else -1)), (tr.rollout_id, tr.reward)
+        assert np.all(adv[i][~mask[i]] == 0)  # observation and prompt tokens get none
+
+
 def test_glm_tool_calls_run_in_the_shell_env():
     task = families.make_tasks("lookup", 1, seed=2, difficulty=1)[0]
     key, answer = task.metadata["demonstration"][0].split()[1][:-1], None
