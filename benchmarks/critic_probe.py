@@ -8,9 +8,9 @@ explained variance of the returns (the outcome reward at every action token, gam
 lambda_critic = 1) on the test rollouts, over all action tokens and at the first one
 (the prompt's value), for:
 
-  * the value model as the job trains it (rl/learner.py: the critic phase, `--steps`
-    learner batches of `rl.batch_size` rollouts, `rl.critic_steps` updates each, at
-    `rl.critic_lr` and at a tenth of it);
+  * the value model as the job trains it (rl/learner.py: `Learner.step` in critic
+    warm-up, `--steps` batches of `rl.batch_size` rollouts, `rl.critic_steps` updates
+    each, at `rl.critic_lr` and at a tenth of it);
   * a linear probe: least squares on the base's final normed hidden state (the value
     head's input), the best a head on frozen features can do;
   * a lookup on what the value depends on: the mean return of the fitting rollouts at
@@ -35,6 +35,7 @@ import tempfile
 import time
 
 import numpy as np
+from flax import nnx
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -47,7 +48,7 @@ from rl.cli import use_compile_cache  # noqa: E402
 from rl.collector import drive  # noqa: E402
 from rl.driver import Driver  # noqa: E402
 from rl.engine import GlmEngine  # noqa: E402
-from rl.learner import ValueModel, _critic_phase, _optimizer, _token_weights  # noqa: E402
+from rl.learner import Learner, ValueModel  # noqa: E402
 from rl.weights import WeightStore  # noqa: E402
 
 
@@ -110,19 +111,16 @@ def linear_probe_ev(model, fit_batch, test_batch) -> float:
 
 
 def train_critic(base, cfg, fit, test_batch, lr: float, steps: int, seed: int) -> dict:
-    from flax import nnx
-
-    critic = ValueModel(nnx.clone(base))
-    opt = _optimizer(critic, lr, cfg.rl.grad_clip, nnx.All(nnx.Param, nnx.Not(nnx.PathContains("indexer"))))
+    """The job's learner with the actor held back (critic warm-up throughout): only its
+    critic phase runs, as in the job's first `rl.critic_warmup` steps."""
+    learner = Learner(nnx.clone(base), ValueModel(nnx.clone(base)), dict(cfg.rl, critic_lr=lr, critic_warmup=10 ** 9))
     rng = np.random.default_rng(seed)
     curve, start = [], time.time()
     for step in range(steps):
         idx = rng.choice(len(fit), cfg.rl.batch_size, replace=False)
-        batch = ro.to_batch([fit[i] for i in idx], length=cfg.task.max_len)
-        _critic_phase(critic, opt, batch, _token_weights(batch.action_mask, batch.rollout_id), alpha=cfg.rl.alpha,
-                      gamma=cfg.rl.gamma, steps=cfg.rl.critic_steps, clipped=False)
+        learner.step(ro.to_batch([fit[i] for i in idx], length=cfg.task.max_len))
         if (step + 1) % max(1, steps // 4) == 0:
-            curve.append({"step": step + 1, **_critic_ev(np.asarray(critic(test_batch.tokens)), test_batch)})
+            curve.append({"step": step + 1, **_critic_ev(np.asarray(learner.critic(test_batch.tokens)), test_batch)})
     return {"critic_lr": lr, "steps": steps, "ev_all_tokens": curve[-1]["all_tokens"],
             "ev_first_token": curve[-1]["first_token"], "curve": curve, "seconds": time.time() - start}
 
@@ -144,8 +142,6 @@ def main(argv=None) -> dict:
         raise SystemExit(f"--rollouts={args.rollouts} needs {args.rollouts + n_test} training tasks; "
                          f"the config has task.train_tasks={len(train)}")
     base = trainer.build_base(cfg, workdir)
-    from flax import nnx
-
     engine = GlmEngine(base, weights=WeightStore(nnx.state(base)), max_concurrent_decodes=cfg.rl.slots,
                        max_len=cfg.task.max_len)
     fit_tasks, test_tasks = train[:args.rollouts], train[args.rollouts:args.rollouts + n_test]

@@ -8,6 +8,11 @@ import signal
 import subprocess
 import sys
 
+import jax
+from flax import nnx
+
+import glmjax
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SMALL = ["--config.base.steps=10", "--config.base.demonstrations=200", "--config.task.eval_tasks=8",
          "--config.task.train_tasks=200", "--config.rl.steps=4", "--config.rl.batch_size=8", "--config.rl.slots=8",
@@ -62,11 +67,6 @@ def _same_steps(resumed, uninterrupted, steps):
 def _assert_indexer_trained(path):
     """The base's SFT is DSA's sparse stage: every main layer's indexer moved from its init
     (only the MTP layer's, which has no KL, stays)."""
-    import jax
-    from flax import nnx
-
-    import glmjax
-
     trained = glmjax.from_pretrained(str(path))
     init = glmjax.init_model(trained.config, seed=0)
     pick = nnx.All(nnx.PathContains("indexer"), nnx.Not(nnx.PathContains("mtp")))
