@@ -306,7 +306,7 @@ def test_close_releases_the_uid_even_when_removing_the_directory_fails(monkeypat
 
 # Each holder sleeps long enough that all four overlap even on a loaded machine.
 HOLD = ("python3 -c \"import time; a = bytearray(300 << 20); a[::4096] = b'x' * len(a[::4096]); "
-        "print('held', flush=True); time.sleep(8)\"")
+        "print('held', flush=True); time.sleep(8); print('done', flush=True)\"")
 
 
 def test_memory_is_capped_as_the_report_says():
@@ -318,7 +318,10 @@ def test_memory_is_capped_as_the_report_says():
         assert one.ok and "held" in one.output, one  # one 300 MB process fits under 512 MB either way
         four = box.run(f"for i in 1 2 3 4; do {HOLD} & done; wait")
         if box.isolation.memory.startswith("cgroup"):
-            assert four.killed == "memory_limit" and four.output.splitlines().count("held") <= 1, four
+            # The OOM killer picks its victim: a process that already printed "held" may be the
+            # one killed when the next allocates, so two "held" lines are possible. What the cap
+            # guarantees is that no two 300 MB processes live through the sleep together.
+            assert four.killed == "memory_limit" and four.output.splitlines().count("done") <= 1, four
             assert box.memory.peak_bytes() <= 512 << 20
 
 
