@@ -42,6 +42,8 @@ def get_config(arg=None):
         algorithm="sao", steps=300, batch_size=64, group_size=1, slots=64, eta=2, tau=4, temperature=0.5,
         eps_low=0.2, eps_high=4.0, alpha=1.5, gamma=1.0, actor_lr=1e-4, critic_lr=1e-3, critic_steps=2,
         critic_warmup=10, freeze_critic_attention=False, grad_clip=1.0,
+        # actor updates over which actor_lr ramps up linearly from 0 (0: the full rate from the first)
+        actor_warmup=0,
         # generation pauses while a complete next batch waits: the engine and the learner share the machine
         generation_yields=True,
         # compile every prefill and decode shape before the loop (off: each compiles when first used)

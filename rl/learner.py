@@ -62,8 +62,12 @@ def token_logprobs(model: GlmForCausalLM, tokens: jax.Array, temperature: float 
     return pad(logp), pad(entropy)
 
 
-def _optimizer(model, lr: float, clip: float, wrt) -> nnx.Optimizer:
-    tx = optax.chain(optax.clip_by_global_norm(clip), optax.adam(lr, b2=0.99))
+def _optimizer(model, lr: float, clip: float, wrt, warmup: int = 0) -> nnx.Optimizer:
+    """Adam with global-norm clipping; `warmup` > 0 ramps the rate linearly from 0 over that
+    many updates (Adam's first steps move every parameter by about `lr`, whatever the
+    gradient's scale, and a policy's first RL gradients are its noisiest)."""
+    rate = optax.linear_schedule(0.0, lr, warmup) if warmup > 0 else lr
+    tx = optax.chain(optax.clip_by_global_norm(clip), optax.adam(rate, b2=0.99))
     return nnx.Optimizer(model, tx, wrt=wrt)
 
 
@@ -146,7 +150,8 @@ class Learner:
     """Owns the actor's and the critic's optimizers; `step` is one SAO (or ablation) update.
 
     cfg (the config's `rl` dict): algorithm, eps_low, eps_high, alpha, gamma, actor_lr,
-    critic_lr, critic_steps (K), critic_warmup, freeze_critic_attention, grad_clip, and the
+    critic_lr, critic_steps (K), critic_warmup, actor_warmup (linear ramp of actor_lr over that
+    many actor updates), freeze_critic_attention, grad_clip, and the
     rollouts' sampling temperature (the policy's log-probs are taken at it).
     """
 
@@ -162,7 +167,7 @@ class Learner:
         self.cfg = dict(cfg)
         self.policy, self.critic = policy, critic if needs_critic else None
         clip = cfg.get("grad_clip", 1.0)
-        self.actor_opt = _optimizer(policy, cfg["actor_lr"], clip, _POLICY_PARAMS)
+        self.actor_opt = _optimizer(policy, cfg["actor_lr"], clip, _POLICY_PARAMS, cfg.get("actor_warmup", 0))
         self.critic_opt = None
         if self.critic is not None:
             wrt = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("indexer")))

@@ -41,7 +41,7 @@ def _error(capsys, argv, main=cli.main) -> str:
     (SAO, ["--config.rl.eta=abc"], f"--config {SAO}: override '--config.rl.eta=abc': cannot set rl.eta (a int) to "
                                    "'abc': invalid literal for int() with base 10: 'abc'"),
     (SAO, ["--config.rl.etaa=1"], f"--config {SAO}: unknown config key 'rl.etaa': config.rl has no field 'etaa'; "
-                                  "valid fields of config.rl: actor_lr, algorithm,"),
+                                  "valid fields of config.rl: actor_lr, actor_warmup, algorithm,"),
     (SAO, ["--rl.eta=1"], "unrecognised arguments ['--rl.eta=1']: overrides are written --config.a.b=value"),
     (SAO, ["--config.model.hidden_size=-3"],
      f"--config {SAO}: ModelConfig.hidden_size=-3 is invalid: expected a positive integer"),

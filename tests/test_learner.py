@@ -84,6 +84,23 @@ def test_critic_warmup_leaves_the_policy_unchanged():
     assert "policy_loss" in lrn.step(_batch())
 
 
+def test_actor_warmup_ramps_the_rate_from_zero():
+    """With `actor_warmup` the first actor update has rate 0 (the policy does not move) and
+    later ones move it; critic warm-up steps do not count toward the ramp."""
+    policy, critic = _models()
+    params = lambda: jax.tree.map(np.asarray, nnx.state(policy, nnx.Param))  # noqa: E731
+    on_policy = lambda seed: (lambda b: b._replace(logp_rollout=learner.token_logprobs(policy, b.tokens)[0]))(  # noqa: E731
+        _batch(seed))
+    lrn = learner.Learner(policy, critic, dict(CFG, critic_warmup=1, actor_warmup=4))
+    lrn.step(on_policy(0))  # critic warm-up
+    before = params()
+    lrn.step(on_policy(1))  # the ramp's first update: rate 0
+    jax.tree.map(np.testing.assert_array_equal, before, params())
+    lrn.step(on_policy(2))
+    moved = jax.tree.map(lambda a, b: np.abs(a - b).max(), before, params())
+    assert max(jax.tree.leaves(moved)) > 0
+
+
 def test_frozen_critic_attention():
     policy, critic = _models()
     attn = lambda: jax.tree.map(np.asarray, nnx.state(critic.backbone.layers[0].attn, nnx.Param))  # noqa: E731
