@@ -89,8 +89,11 @@ def test_actor_warmup_ramps_the_rate_from_zero():
     later ones move it; critic warm-up steps do not count toward the ramp."""
     policy, critic = _models()
     params = lambda: jax.tree.map(np.asarray, nnx.state(policy, nnx.Param))  # noqa: E731
-    on_policy = lambda seed: (lambda b: b._replace(logp_rollout=learner.token_logprobs(policy, b.tokens)[0]))(  # noqa: E731
-        _batch(seed))
+
+    def on_policy(seed):
+        batch = _batch(seed)
+        return batch._replace(logp_rollout=learner.token_logprobs(policy, batch.tokens)[0])
+
     lrn = learner.Learner(policy, critic, dict(CFG, critic_warmup=1, actor_warmup=4))
     lrn.step(on_policy(0))  # critic warm-up
     before = params()
