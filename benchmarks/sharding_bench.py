@@ -58,7 +58,7 @@ def median_time(fn, repeats):
 def bench_mesh(config, mesh_sizes, batch, seq, repeats):
     mesh = glmjax.make_mesh(**mesh_sizes)
     with sharding.use_mesh(mesh):
-        model = sharding.init_sharded(config, mesh)
+        model = glmjax.init_model(config, mesh=mesh)
         graphdef, state = nnx.split(model)
         params = nnx.state(model, nnx.Param)
         ids = jax.device_put(jax.random.randint(jax.random.key(0), (batch, seq), 0, config.vocab_size),

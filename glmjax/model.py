@@ -24,7 +24,7 @@ from glmjax.layers.mla import Context
 from glmjax.layers.mtp import MTP
 from glmjax.layers.norms import RMSNorm
 from glmjax.layers.rope import rope_tables
-from glmjax.sharding import constrain
+from glmjax.sharding import Rules, constrain, param_shardings
 
 
 class ModelOutput(NamedTuple):
@@ -136,9 +136,16 @@ class GlmForCausalLM(nnx.Module):
         return MTPOutput(self.head(h), out.x, out.cache)
 
 
-def init_model(config: ModelConfig, seed: int = 0) -> GlmForCausalLM:
-    """A randomly initialised model."""
-    return GlmForCausalLM(config, rngs=nnx.Rngs(params=seed))
+def init_model(config: ModelConfig, seed: int = 0, *, mesh: jax.sharding.Mesh | None = None,
+               rules: Rules | None = None) -> GlmForCausalLM:
+    """A randomly initialised model. With a mesh, its parameters are created directly in the
+    shardings the logical rules give (`jax.jit(init, out_shardings=...)`, no host copy)."""
+    make = lambda: GlmForCausalLM(config, rngs=nnx.Rngs(params=seed))  # noqa: E731
+    if mesh is None:
+        return make()
+    graphdef, abstract = nnx.split(nnx.eval_shape(make))
+    state = jax.jit(lambda: nnx.state(make()), out_shardings=param_shardings(abstract, mesh, rules))()
+    return nnx.merge(graphdef, state)
 
 
 def count_params(config: ModelConfig, include_mtp: bool = True) -> int:

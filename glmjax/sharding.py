@@ -16,7 +16,7 @@ Mesh axes:
 Usage:
     mesh = glmjax.make_mesh(data=2, expert=2, tensor=2)
     with glmjax.sharding.use_mesh(mesh):
-        model = glmjax.sharding.init_sharded(config, mesh)      # created already sharded
+        model = glmjax.init_model(config, mesh=mesh)             # created already sharded
         out = jax.jit(forward)(nnx.state(model), ids)
 """
 
@@ -149,22 +149,6 @@ def param_specs(state, *, mesh: Mesh | None = None, rules: Rules | None = None):
 def param_shardings(state, mesh: Mesh, rules: Rules | None = None):
     specs = param_specs(state, mesh=mesh, rules=rules)
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
-
-
-def init_sharded(config, mesh: Mesh, *, rules: Rules | None = None, seed: int = 0):
-    """The model, its parameters created directly in their shardings (no host copy)."""
-    from glmjax.model import GlmForCausalLM
-
-    rules = rules if rules is not None else current_rules()
-    abstract = nnx.eval_shape(lambda: GlmForCausalLM(config, rngs=nnx.Rngs(params=seed)))
-    graphdef, abstract_state = nnx.split(abstract)
-    shardings = param_shardings(abstract_state, mesh, rules)
-
-    def init():
-        return nnx.state(GlmForCausalLM(config, rngs=nnx.Rngs(params=seed)))
-
-    state = jax.jit(init, out_shardings=shardings)()
-    return nnx.merge(graphdef, state)
 
 
 def shard_model(model, mesh: Mesh, rules: Rules | None = None):

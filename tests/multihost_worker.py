@@ -32,7 +32,7 @@ from tests.test_sharding import CONFIG  # noqa: E402
 assert len(jax.devices()) == 8, jax.devices()
 mesh = glmjax.make_mesh(data=2, expert=2, tensor=2)
 with sharding.use_mesh(mesh):
-    model = sharding.init_sharded(CONFIG, mesh, seed=0)
+    model = glmjax.init_model(CONFIG, seed=0, mesh=mesh)
     graphdef, state = nnx.split(model)
     params = nnx.state(model, nnx.Param)
     ids_host = np.random.default_rng(0).integers(0, CONFIG.vocab_size, (8, 16)).astype(np.int32)

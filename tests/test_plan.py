@@ -3,6 +3,7 @@
 import jax
 from flax import nnx
 
+import glmjax
 from glmjax import plan, sharding
 from tests.presets_util import REPO
 from tests.test_sharding import CONFIG
@@ -20,7 +21,7 @@ def test_per_device_parameter_bytes_match_a_sharded_model():
     mesh_sizes = {"data": 2, "expert": 2, "tensor": 2}
     mesh = sharding.make_mesh(**mesh_sizes)
     with sharding.use_mesh(mesh):
-        model = sharding.init_sharded(CONFIG, mesh)
+        model = glmjax.init_model(CONFIG, mesh=mesh)
     actual = sharding.per_device_bytes(nnx.state(model))
     p = plan.plan(CONFIG, mesh_sizes, device_memory=16e9, batch=8, seq=64, serve_batch=8, serve_len=128)
     assert abs(p.params - max(actual.values())) <= 1e-6 * p.params

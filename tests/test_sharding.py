@@ -65,7 +65,7 @@ def test_sharded_forward_and_gradients_match_one_device(name, reference):
 def test_experts_are_split_over_the_expert_axis():
     mesh = glmjax.make_mesh(fsdp=4, expert=2)
     with sharding.use_mesh(mesh):
-        model = sharding.init_sharded(CONFIG, mesh)
+        model = glmjax.init_model(CONFIG, mesh=mesh)
     gate = model.layers[1].mlp.experts.gate[...]
     full = gate.size * gate.dtype.itemsize
     assert gate.sharding.spec == jax.sharding.PartitionSpec("expert", "fsdp", None)
