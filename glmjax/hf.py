@@ -10,6 +10,14 @@ that transformers >= 5.24 loads.
 Layout changes (HF -> glmjax): linear weights [out, in] -> [in, out]; q_b_proj / wq_b
 [H*E, Q] -> [Q, H, E]; o_proj [D, H*V] -> [H, V, D]; kv_b_proj [H*(K+V), C] split into
 W_UK [C, H, K] and W_UV [C, H, V]; experts stacked to [E, D, F] / [E, F, D].
+
+Loading places every parameter straight into its sharding (`jax.make_array_from_callback`
+with the logical rules' spec, or one device without a mesh): the callback for a shard
+reads only that shard's slice of the HF tensor, and an expert stack's callback for a range
+of the E axis reads only those experts' tensors, so each process reads what its devices
+hold and the host holds about one tensor's local shards at a time. Saving gathers one
+variable at a time (across processes when it spans several) and streams the HF tensors
+made from it to disk (glmjax/safetensors_io.py); process 0 writes.
 """
 
 from __future__ import annotations
@@ -25,13 +33,14 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
-from safetensors.numpy import save_file
+from jax.experimental import multihost_utils
 
+from glmjax import sharding
 from glmjax.config import ModelConfig
 from glmjax.layers.decoder import DecoderLayer
 from glmjax.layers.moe import MoE
 from glmjax.model import GlmForCausalLM
+from glmjax.safetensors_io import Entry, Reader, write
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +49,12 @@ SHARD_BYTES = 5 * 2**30
 
 
 # Conversions between a glmjax array and its HF tensor ----------------------------------
+# Export: the full glmjax array -> the HF array. Import: `read(reader, index)`, the glmjax
+# array's values at `index` (one slice(start, stop) per glmjax dimension), read from the
+# HF tensor's matching slice.
+Read = Callable[[Reader, tuple[slice, ...]], np.ndarray]
+
+
 def _same(x):
     return x
 
@@ -56,6 +71,55 @@ def _heads_in_to_hf(x):  # [H, V, D] -> [D, H*V]
     return x.reshape(-1, x.shape[-1]).T
 
 
+def _rows(heads: slice, per_head: int) -> slice:
+    """The rows of a flattened [H*per_head] HF dimension that hold a range of heads."""
+    return slice(heads.start * per_head, heads.stop * per_head)
+
+
+def _read_same(name: str) -> Read:
+    return lambda r, i: r.read(name, i)
+
+
+def _read_t(name: str) -> Read:  # HF [..., out, in] -> [..., in, out]
+    return lambda r, i: _t(r.read(name, (*i[:-2], i[-1], i[-2])))
+
+
+def _read_heads_out(name: str, per_head: int) -> Read:  # HF [H*E, Q] -> [Q, H, E]
+    def read(r, i):
+        q, h, e = i
+        w = r.read(name, (_rows(h, per_head), q))  # [h*E, q]
+        return w.T.reshape(w.shape[1], -1, per_head)[:, :, e]
+    return read
+
+
+def _read_heads_in(name: str, per_head: int) -> Read:  # HF [D, H*V] -> [H, V, D]
+    def read(r, i):
+        h, v, d = i
+        w = r.read(name, (d, _rows(h, per_head)))  # [d, h*V]
+        return w.T.reshape(-1, per_head, w.shape[0])[:, v]
+    return read
+
+
+def _read_kv_b(name: str, per_head: int, offset: int) -> Read:
+    """HF kv_b_proj [H*(K+V), C] -> W_UK [C, H, K] (offset 0) or W_UV [C, H, V] (offset K)."""
+    def read(r, i):
+        c, h, k = i
+        w = r.read(name, (_rows(h, per_head), c))  # [h*(K+V), c]
+        return w.T.reshape(w.shape[1], -1, per_head)[:, :, offset + k.start:offset + k.stop]
+    return read
+
+
+def _read_gate_up(name: str, offset: int) -> Read:
+    """Fused HF gate_up_proj [E, 2F, D] -> gate [E, D, F] (offset 0) or up (offset F)."""
+    return lambda r, i: _t(r.read(name, (i[0], slice(offset + i[2].start, offset + i[2].stop), i[1])))
+
+
+def _read_experts(names: list[str]) -> Read:
+    """Per-expert HF tensors [out, in] -> the stack [E, in, out], reading only the experts
+    of the index's E range."""
+    return lambda r, i: np.stack([_t(r.read(names[e], (i[2], i[1]))) for e in range(i[0].start, i[0].stop)])
+
+
 @dataclasses.dataclass(frozen=True)
 class Tensor:
     """One HF tensor <-> one glmjax Variable."""
@@ -63,7 +127,7 @@ class Tensor:
     name: str
     var: nnx.Variable
     to_hf: Callable[[np.ndarray], np.ndarray]
-    from_hf: Callable[[np.ndarray], np.ndarray]
+    read: Read
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
@@ -71,21 +135,19 @@ class Tensor:
 
 
 def _linear(name, var):
-    return Tensor(name, var, _t, _t)
+    return Tensor(name, var, _t, _read_t(name))
 
 
 def _vector(name, var):
-    return Tensor(name, var, _same, _same)
+    return Tensor(name, var, _same, _read_same(name))
 
 
 def _heads_out(name, var):
-    shape = var.shape
-    return Tensor(name, var, _heads_out_to_hf, lambda w: w.T.reshape(shape))
+    return Tensor(name, var, _heads_out_to_hf, _read_heads_out(name, var.shape[2]))
 
 
 def _heads_in(name, var):
-    shape = var.shape
-    return Tensor(name, var, _heads_in_to_hf, lambda w: w.T.reshape(shape))
+    return Tensor(name, var, _heads_in_to_hf, _read_heads_in(name, var.shape[1]))
 
 
 def _layer_tensors(prefix: str, layer: DecoderLayer) -> Iterator[Tensor]:
@@ -146,147 +208,141 @@ def _mtp_prefix(config: ModelConfig) -> str:
 
 
 # Export ----------------------------------------------------------------------------------
-def hf_state_dict(model: GlmForCausalLM) -> dict[str, np.ndarray]:
-    """The HF tensors of a model, per-expert layout, as host numpy arrays."""
+class _Gathered:
+    """The full value of one variable at a time on this host (process_allgather when its
+    shards span processes, every process taking part); kept while consecutive HF tensors
+    are made from it (an expert stack gives one per expert), dropped before the next."""
+
+    def __init__(self):
+        self._var, self._value = None, None
+
+    def __call__(self, var: nnx.Variable) -> np.ndarray:
+        if var is not self._var:
+            self._var = self._value = None
+            x = var[...]
+            self._value = np.asarray(x) if x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True)
+            self._var = var
+        return self._value
+
+
+def _kv_b_to_hf(w_uk, w_uv):  # [C, H, K], [C, H, V] -> [H*(K+V), C]
+    kv_b = np.concatenate([w_uk, w_uv], axis=-1)  # [C, H, K+V]
+    return kv_b.reshape(kv_b.shape[0], -1).T
+
+
+def hf_tensors(model: GlmForCausalLM) -> list[tuple[Entry, Callable[[], np.ndarray]]]:
+    """The HF tensors of a model (per-expert layout), each as its name, shape and dtype and
+    a function that makes its host array; in an order that gathers each variable once."""
     c = model.config
-    out = {t.name: t.to_hf(np.asarray(t.var[...])) for t in _simple_tensors(model)}
+    full = _Gathered()
+    out = []
+
+    def add(name, shape, var, make):
+        out.append((Entry(name, tuple(shape), np.dtype(var.dtype)), make))
+
+    for t in _simple_tensors(model):
+        add(t.name, t.hf_shape, t.var, lambda t=t: t.to_hf(full(t.var)))
+    h, k, v, cdim = c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
     for prefix, block in _blocks(model):
         a = block.attn
-        w_uk, w_uv = np.asarray(a.w_uk[...]), np.asarray(a.w_uv[...])  # [C, H, K], [C, H, V]
-        kv_b = np.concatenate([w_uk, w_uv], axis=-1)  # [C, H, K+V]
-        out[prefix + "self_attn.kv_b_proj.weight"] = kv_b.reshape(kv_b.shape[0], -1).T
+        add(prefix + "self_attn.kv_b_proj.weight", (h * (k + v), cdim), a.w_uk,
+            lambda a=a: _kv_b_to_hf(full(a.w_uk), full(a.w_uv)))
         if isinstance(block.mlp, MoE):
-            ex = block.mlp.experts
-            gate, up, down = (np.asarray(p[...]) for p in (ex.gate, ex.up, ex.down))
-            for e in range(c.n_routed_experts):
-                out[f"{prefix}mlp.experts.{e}.gate_proj.weight"] = gate[e].T
-                out[f"{prefix}mlp.experts.{e}.up_proj.weight"] = up[e].T
-                out[f"{prefix}mlp.experts.{e}.down_proj.weight"] = down[e].T
-    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+            for proj in ("gate", "up", "down"):
+                var = getattr(block.mlp.experts, proj)  # [E, D, F] (gate, up) or [E, F, D] (down)
+                for e in range(c.n_routed_experts):
+                    add(f"{prefix}mlp.experts.{e}.{proj}_proj.weight", var.shape[:0:-1], var,
+                        lambda var=var, e=e: full(var)[e].T)
+    return out
 
 
 def save_pretrained(model: GlmForCausalLM, path: str | os.PathLike, *, max_shard_bytes: int = SHARD_BYTES) -> None:
-    """Writes config.json and safetensors (sharded with an index above max_shard_bytes)."""
+    """Writes config.json and safetensors (sharded with an index above max_shard_bytes).
+
+    The tensors are gathered and written one at a time, so a sharded model is never whole
+    on one host. With several processes every process calls this (each gather is a
+    collective) and process 0 writes."""
     path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(model.config.to_hf(), f, indent=2)
-    tensors = hf_state_dict(model)
-    shards, current, size = [], {}, 0
-    for name in sorted(tensors):
-        nbytes = tensors[name].nbytes
-        if current and size + nbytes > max_shard_bytes:
-            shards.append(current)
-            current, size = {}, 0
-        current[name] = tensors[name]
-        size += nbytes
-    shards.append(current)
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(path, fname), metadata={"format": "pt"})
-        weight_map.update({name: fname for name in shard})
-    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump(index, f, indent=2)
+    tensors = hf_tensors(model)
+    values = (make() for _, make in tensors)
+    if jax.process_index() == 0:
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(model.config.to_hf(), f, indent=2)
+        write(path, [entry for entry, _ in tensors], values, max_file_bytes=max_shard_bytes)
+    else:
+        for _ in values:
+            pass
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices("glmjax.save_pretrained")
 
 
 # Import ----------------------------------------------------------------------------------
-class _Reader:
-    """Random access to the tensors of a checkpoint directory."""
-
-    def __init__(self, path: str):
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index) as f:
-                files = {name: os.path.join(path, fn) for name, fn in json.load(f)["weight_map"].items()}
-        else:
-            shards = sorted(fn for fn in os.listdir(path) if fn.endswith(".safetensors"))
-            if not shards:
-                raise FileNotFoundError(f"no *.safetensors files in {path}")
-            files = {}
-            for fn in shards:
-                with safe_open(os.path.join(path, fn), "np") as f:
-                    files.update({name: os.path.join(path, fn) for name in f.keys()})
-        self.files = files
-        self._open = {}
-
-    def names(self) -> set[str]:
-        return set(self.files)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(name).get_slice(name).get_shape())
-
-    def get(self, name: str) -> np.ndarray:
-        return self._handle(name).get_tensor(name)
-
-    def _handle(self, name):
-        fn = self.files[name]
-        if fn not in self._open:
-            self._open[fn] = safe_open(fn, "np")
-        return self._open[fn]
-
-
 class CheckpointMismatch(ValueError):
     """The checkpoint's tensors do not match the model its config.json describes."""
 
 
-def _check_shape(reader: _Reader, name: str, expected: tuple[int, ...]) -> None:
+def _check_shape(reader: Reader, name: str, expected: tuple[int, ...]) -> None:
     found = reader.shape(name)
     if found != tuple(expected):
         raise CheckpointMismatch(f"tensor {name!r} has shape {found}, expected {tuple(expected)}")
 
 
-def _expert_names(prefix: str, n: int) -> list[str]:
-    return [f"{prefix}mlp.experts.{e}.{p}_proj.weight" for e in range(n) for p in ("gate", "up", "down")]
+def _placed(shape: tuple[int, ...], placement: jax.sharding.Sharding, read: Callable) -> jax.Array:
+    """The array `read` describes, built shard by shard in `placement`: read(index) is
+    called once per distinct shard this process's devices hold, with one slice(start,
+    stop) per dimension."""
+    shards = {}
+
+    def shard(index):
+        index = tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
+        key = tuple((s.start, s.stop) for s in index)
+        if key not in shards:  # devices that replicate a shard share one read
+            shards[key] = read(index)
+        return shards[key]
+
+    return jax.make_array_from_callback(shape, placement, shard)
 
 
-def _load_into(model: GlmForCausalLM, reader: _Reader, put: Callable[[np.ndarray], jax.Array]) -> set[str]:
-    """Fills every Variable of the (abstract) model from the checkpoint; returns the names read."""
+def _load_into(model: GlmForCausalLM, reader: Reader,
+               placement: Callable[[nnx.Variable], jax.sharding.Sharding]) -> set[str]:
+    """Fills every Variable of the (abstract) model from the checkpoint, each in the
+    sharding `placement` gives it; returns the names of the HF tensors it used."""
     c = model.config
     dtype = _NP_DTYPES[c.param_dtype]
+    names = reader.names()
     used = set()
 
-    def read(name, expected):
-        if name not in reader.files:
-            raise CheckpointMismatch(f"tensor {name!r} (shape {tuple(expected)}) is missing from the checkpoint")
-        _check_shape(reader, name, expected)
-        used.add(name)
-        return reader.get(name)
-
-    def assign(var, value, keep_fp32=False):
-        target = var.dtype if keep_fp32 else dtype
-        var.set_value(put(np.asarray(value).astype(target)))
+    def place(var, sources: dict[str, tuple[int, ...]], read: Read, target=dtype):
+        for name, expected in sources.items():
+            if name not in names:
+                raise CheckpointMismatch(f"tensor {name!r} (shape {tuple(expected)}) is missing from the checkpoint")
+            _check_shape(reader, name, expected)
+            used.add(name)
+        var.set_value(_placed(var.shape, placement(var), lambda i: np.asarray(read(reader, i)).astype(target)))
 
     for t in _simple_tensors(model):
         keep = t.var.dtype == jnp.float32 and (t.name.endswith(("gate.weight", "e_score_correction_bias",
                                                                 "weights_proj.weight")))
-        assign(t.var, t.from_hf(read(t.name, t.hf_shape)), keep_fp32=keep)
+        place(t.var, {t.name: t.hf_shape}, t.read, t.var.dtype if keep else dtype)
     h, k, v, cdim = c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
     for prefix, block in _blocks(model):
-        kv_b = read(prefix + "self_attn.kv_b_proj.weight", (h * (k + v), cdim))
-        kv_b = kv_b.T.reshape(cdim, h, k + v)
-        assign(block.attn.w_uk, kv_b[..., :k])
-        assign(block.attn.w_uv, kv_b[..., k:])
-        if isinstance(block.mlp, MoE):
-            ex = block.mlp.experts
-            e_, d, f = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
-            fused = prefix + "mlp.experts.gate_up_proj"
-            if fused in reader.files:
-                gate_up = read(fused, (e_, 2 * f, d))
-                down = read(prefix + "mlp.experts.down_proj", (e_, d, f))
-                assign(ex.gate, _t(gate_up[:, :f]))
-                assign(ex.up, _t(gate_up[:, f:]))
-                assign(ex.down, _t(down))
-            else:
-                stack = lambda p, shape: np.stack(  # noqa: E731
-                    [read(f"{prefix}mlp.experts.{e}.{p}_proj.weight", shape).T for e in range(e_)])
-                assign(ex.gate, stack("gate", (f, d)))
-                assign(ex.up, stack("up", (f, d)))
-                assign(ex.down, stack("down", (d, f)))
+        kv_b = prefix + "self_attn.kv_b_proj.weight"
+        place(block.attn.w_uk, {kv_b: (h * (k + v), cdim)}, _read_kv_b(kv_b, k + v, 0))
+        place(block.attn.w_uv, {kv_b: (h * (k + v), cdim)}, _read_kv_b(kv_b, k + v, k))
+        if not isinstance(block.mlp, MoE):
+            continue
+        ex = block.mlp.experts
+        e_, d, f = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
+        fused, down = prefix + "mlp.experts.gate_up_proj", prefix + "mlp.experts.down_proj"
+        if fused in names:
+            place(ex.gate, {fused: (e_, 2 * f, d)}, _read_gate_up(fused, 0))
+            place(ex.up, {fused: (e_, 2 * f, d)}, _read_gate_up(fused, f))
+            place(ex.down, {down: (e_, d, f)}, _read_t(down))
+            continue
+        for proj, shape in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
+            per_expert = [f"{prefix}mlp.experts.{e}.{proj}_proj.weight" for e in range(e_)]
+            place(getattr(ex, proj), dict.fromkeys(per_expert, shape), _read_experts(per_expert))
     return used
 
 
@@ -302,11 +358,12 @@ def from_pretrained(
     dtype sets both the stored parameters and the compute ("float32" or "bfloat16"; the
     router and the indexer head weights stay fp32). The MTP layer is loaded when the
     checkpoint has `model.layers.{num_hidden_layers}.*`; a checkpoint without it (as
-    transformers writes them) gives a model without MTP. With a mesh, parameters are
-    placed on it, replicated.
+    transformers writes them) gives a model without MTP. With a mesh, each parameter is
+    placed in the sharding the logical rules give it (`sharding.current_rules()`), and
+    each process reads only the slices its devices hold.
     """
     path = os.fspath(path)
-    reader = _Reader(path)
+    reader = Reader(path)
     config = ModelConfig.from_hf(path, dtype=dtype, param_dtype=dtype, kernel_impl=kernel_impl)
     mtp_names = {n for n in reader.names() if n.startswith(_mtp_prefix(config))}
     if not mtp_names and config.num_nextn_predict_layers:
@@ -318,11 +375,11 @@ def from_pretrained(
 
     model = nnx.eval_shape(lambda: GlmForCausalLM(config, rngs=nnx.Rngs(params=0)))
     if mesh is None:
-        put = jnp.asarray
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        placement = lambda var: device  # noqa: E731
     else:
-        replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        put = lambda x: jax.device_put(x, replicated)  # noqa: E731
-    used = _load_into(model, reader, put)
+        placement = lambda var: jax.sharding.NamedSharding(mesh, sharding.variable_spec(var, mesh=mesh))  # noqa: E731
+    used = _load_into(model, reader, placement)
 
     # Duplicates some exporters keep in the MTP layer; glmjax shares them with the main model.
     ignorable = {_mtp_prefix(config) + "embed_tokens.weight", _mtp_prefix(config) + "shared_head.head.weight"}

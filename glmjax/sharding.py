@@ -136,14 +136,16 @@ def logical_spec(names: Sequence[str | None], shape: Sequence[int] | None = None
     return PartitionSpec(*out)
 
 
+def variable_spec(var: nnx.Variable, *, mesh: Mesh | None = None, rules: Rules | None = None) -> PartitionSpec:
+    """The PartitionSpec of one variable, from its logical_axes (replicated without them)."""
+    names = var.get_metadata("logical_axes", None) or (None,) * len(var.shape)
+    return logical_spec(names, var.shape, mesh=mesh, rules=rules)
+
+
 def param_specs(state, *, mesh: Mesh | None = None, rules: Rules | None = None):
     """A tree of PartitionSpecs matching an nnx.State, from each variable's logical_axes."""
-
-    def spec(var):
-        names = var.get_metadata("logical_axes", None) or (None,) * len(var.shape)
-        return logical_spec(names, var.shape, mesh=mesh, rules=rules)
-
-    return jax.tree.map(spec, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return jax.tree.map(lambda var: variable_spec(var, mesh=mesh, rules=rules), state,
+                        is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def param_shardings(state, mesh: Mesh, rules: Rules | None = None):

@@ -1,4 +1,7 @@
-"""One process of the multi-host test: a sharded train step over every process's devices.
+"""One process of the multi-host test: a sharded train step over every process's devices,
+then the updated model through an HF checkpoint: saved one gathered tensor at a time
+(process 0 writes) and loaded back into expert=4 x tensor=2, each process reading the
+expert tensors its devices hold.
 
     python tests/multihost_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_JSON
 (NUM_PROCESSES 1 runs the same step on this process's devices alone.)
@@ -17,7 +20,7 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 import glmjax  # noqa: E402
-from glmjax import distributed, sharding  # noqa: E402
+from glmjax import distributed, safetensors_io, sharding  # noqa: E402
 
 if num_processes > 1:
     distributed.initialize(f"127.0.0.1:{port}", num_processes, process_id)
@@ -26,6 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.experimental import multihost_utils  # noqa: E402
 
 from tests.test_sharding import CONFIG  # noqa: E402
 
@@ -55,9 +59,28 @@ with sharding.use_mesh(mesh):
         return params, opt, loss, grad_norm, checksum, loss_fn(params)
 
     params, opt, loss, grad_norm, checksum, next_loss = step(params, opt, ids)
+
+hf_dir = os.path.join(os.path.dirname(out), "hf")
+glmjax.save_pretrained(nnx.merge(graphdef, nnx.merge_state(state, params)), hf_dir)
+experts_read = np.zeros(CONFIG.n_routed_experts, bool)
+read = safetensors_io.Reader.read
+
+
+def recording_read(self, name, index):
+    if ".mlp.experts." in name:
+        experts_read[int(name.split(".")[5])] = True
+    return read(self, name, index)
+
+
+safetensors_io.Reader.read = recording_read
+load_mesh = glmjax.make_mesh(expert=4, tensor=2)
+with sharding.use_mesh(load_mesh):
+    loaded = nnx.state(glmjax.from_pretrained(hf_dir, mesh=load_mesh), nnx.Param)
+    loaded_checksum = jax.jit(lambda p: sum(jnp.sum(x.astype(jnp.float32) ** 2) for x in jax.tree.leaves(p)))(loaded)
 result = {k: float(v) for k, v in dict(loss=loss, grad_norm=grad_norm, checksum=checksum,
-                                       next_loss=next_loss).items()}
+                                       next_loss=next_loss, loaded_checksum=loaded_checksum).items()}
 result["process_count"] = jax.process_count()
+result["experts_read"] = [np.flatnonzero(row).tolist() for row in multihost_utils.process_allgather(experts_read)]
 if process_id == 0:
     with open(out, "w") as f:
         json.dump(result, f)
