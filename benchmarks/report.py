@@ -35,15 +35,22 @@ def model_table(r) -> list[str]:
 
 
 def plan_table(plans) -> list[str]:
-    out = ["`python -m glmjax.plan --config configs/glm53.py` (GB per device):", "",
-           "| hardware | mesh | params | optimizer | activations | training | KV cache | serving | fits |",
-           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    out = ["`python -m glmjax.plan --config configs/glm53.py` (GB per device; RL is SAO: the policy's training "
+           "share, the critic's parameters and optimizer state, the rollout engine's KV cache and any teachers):", "",
+           "| hardware | mesh | options | params | optimizer | activations | training | KV cache | serving | critic "
+           "| rollout KV | teachers | RL | fits |",
+           "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for label, p in plans:
         mesh = ", ".join(f"{k}={v}" for k, v in p["mesh"].items() if v > 1)
+        s = p["settings"]
+        options = (f"AdamW {s['optimizer_dtype']}, critic {s['critic']}, {s['slots']} x {s['rollout_len']} rollout "
+                   f"slots, {s['teachers']} teachers")
         g = lambda key: f"{p[key] / 1e9:.1f}"  # noqa: E731
-        fits = "yes" if p["fits_training"] and p["fits_serving"] else "no"
-        out.append(f"| {label} | {mesh} | {g('params')} | {g('optimizer')} | {g('activations')} | "
-                   f"{g('train_total')} | {g('kv_cache')} | {g('serve_total')} | {fits} |")
+        critic = f"{(p['critic_params'] + p['critic_optimizer']) / 1e9:.1f}"
+        fits = "yes" if p["fits_training"] and p["fits_serving"] and p["fits_rl"] else "no"
+        out.append(f"| {label} | {mesh} | {options} | {g('params')} | {g('optimizer')} | {g('activations')} | "
+                   f"{g('train_total')} | {g('kv_cache')} | {g('serve_total')} | {critic} | {g('rollout_kv_cache')} | "
+                   f"{g('teacher')} | {g('rl_total')} | {fits} |")
     return out
 
 

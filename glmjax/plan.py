@@ -10,8 +10,24 @@ master copy; sharded like the parameters; gradients are one more
 parameter-sized buffer. Training activations assume rematerialisation per decoder layer:
 each layer's input is kept ([B/batch_shards, T/sequence, D] per layer) plus the working
 set of the largest layer, estimated from the attention, indexer, MoE dispatch and LM-head
-buffers. The serving KV cache is c_kv + k_rope per token per layer plus indexer keys on
-full-indexer layers, split over the batch axes and the sequence axis.
+buffers. A KV cache (serving, rollouts) is what `glmjax.KVCache` holds per token: c_kv +
+k_rope on every layer and the MTP layer, plus indexer keys on full-indexer layers, split
+over the batch axes and the sequence axis.
+
+RL puts every role on the same mesh, as one process (DESIGN: one parameter layout,
+many roles):
+  * the policy: parameters, optimizer state, gradients and activations as in training
+    (optimizer state for every parameter: an upper bound, as the RL learner leaves the
+    indexer and the MTP layer out);
+  * the critic (value model, --critic): "separate" is what rl/learner.py builds, a copy of
+    the trunk with a scalar head [D] and bias, with its own optimizer state; "shared" is
+    the head alone on the policy's trunk; "none" for critic-free objectives (GRPO, OPD).
+    The critic's and the actor's steps run one after the other, so they share one
+    gradient buffer (the larger) and one activation working set;
+  * the rollout engine: decodes from the policy's own arrays (publishing is a reference
+    swap), so it adds only the KV cache of its slots (--slots x --rollout-len tokens);
+  * teachers (--teachers, for on-policy distillation): the model in bf16, inference only;
+    2 when the next teacher is prefetched onto the devices while one scores.
 """
 
 from __future__ import annotations
@@ -28,11 +44,13 @@ import numpy as np
 from flax import nnx
 
 from glmjax import sharding
+from glmjax.cache import KVCache
 from glmjax.config import ModelConfig
 from glmjax.model import GlmForCausalLM
 from pallas_kernels.reference import QUERY_BLOCK
 
 GB = 1e9
+CRITICS = ("separate", "shared", "none")
 
 
 @dataclasses.dataclass
@@ -45,6 +63,12 @@ class Plan:
     activations: float
     kv_cache: float
     device_memory: float
+    # RL: the roles beside the policy, whose share is params + optimizer + gradients + activations
+    critic_params: float  # also the size of its gradients
+    critic_optimizer: float
+    rollout_kv_cache: float
+    teacher: float
+    settings: dict = dataclasses.field(default_factory=dict)
 
     @property
     def train_total(self) -> float:
@@ -55,6 +79,11 @@ class Plan:
         return self.params + self.kv_cache
 
     @property
+    def rl_total(self) -> float:
+        return (self.params + self.optimizer + max(self.gradients, self.critic_params) + self.activations
+                + self.critic_params + self.critic_optimizer + self.rollout_kv_cache + self.teacher)
+
+    @property
     def fits_training(self) -> bool:
         return self.train_total <= 0.9 * self.device_memory
 
@@ -62,15 +91,30 @@ class Plan:
     def fits_serving(self) -> bool:
         return self.serve_total <= 0.9 * self.device_memory
 
+    @property
+    def fits_rl(self) -> bool:
+        return self.rl_total <= 0.9 * self.device_memory
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_training and self.fits_serving and self.fits_rl
+
     def to_json(self) -> dict:
         out = dataclasses.asdict(self)
-        out.update(train_total=self.train_total, serve_total=self.serve_total, fits_training=self.fits_training,
-                   fits_serving=self.fits_serving)
+        out.update(train_total=self.train_total, serve_total=self.serve_total, rl_total=self.rl_total,
+                   fits_training=self.fits_training, fits_serving=self.fits_serving, fits_rl=self.fits_rl)
         return out
 
 
 def abstract_state(config: ModelConfig):
     return nnx.state(nnx.eval_shape(lambda: GlmForCausalLM(config, rngs=nnx.Rngs(params=0))))
+
+
+def _bf16_state(config: ModelConfig, state):
+    """The abstract state of the model in bf16 (a teacher's); `state` when it already is."""
+    if config.param_dtype == "bfloat16":
+        return state
+    return abstract_state(config.replace(param_dtype="bfloat16", dtype="bfloat16"))
 
 
 def _shards(spec, sizes) -> int:
@@ -81,11 +125,8 @@ def _shards(spec, sizes) -> int:
     return n
 
 
-def plan(config: ModelConfig, mesh_sizes: dict[str, int], *, device_memory: float, batch: int, seq: int,
-         serve_batch: int, serve_len: int, optimizer_dtype: str = "float32", state=None, rules=None) -> Plan:
-    sizes = {a: mesh_sizes.get(a, 1) for a in sharding.AXES}
-    mesh = jax.sharding.AbstractMesh(tuple(sizes.values()), sharding.AXES)
-    state = abstract_state(config) if state is None else state
+def _per_device(state, sizes, mesh, rules) -> tuple[float, float, float]:
+    """(bytes in all, bytes per device, values per device) of a state's variables."""
     specs = sharding.param_specs(state, mesh=mesh, rules=rules)
     total = per_device = per_device_count = 0.0
     for var, spec in zip(jax.tree.leaves(state), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(
@@ -94,10 +135,37 @@ def plan(config: ModelConfig, mesh_sizes: dict[str, int], *, device_memory: floa
         total += nbytes
         per_device += nbytes / _shards(spec, sizes)
         per_device_count += var.size / _shards(spec, sizes)
+    return total, per_device, per_device_count
+
+
+def _optimizer_bytes(values: float, param_dtype: str, optimizer_dtype: str) -> float:
     if optimizer_dtype == "float32":  # two fp32 moments, and an fp32 master copy of bf16 weights
-        optimizer = per_device_count * (8 + (4 if config.param_dtype != "float32" else 0))
-    else:  # two bf16 moments updating the weights in place
-        optimizer = per_device_count * 4
+        return values * (8 + (4 if param_dtype != "float32" else 0))
+    return values * 4  # two bf16 moments updating the weights in place
+
+
+def kv_cache_bytes(config: ModelConfig, sequences: int, length: int, sizes: dict[str, int]) -> float:
+    """Per-device bytes of a KVCache of `sequences` x `length` tokens (glmjax.cache)."""
+    per_token = jax.eval_shape(lambda: KVCache.init(config, 1, 1)).bytes_per_token()
+    batch_shards = math.prod(sizes[a] for a in sharding.BATCH_AXES)
+    return per_token * sequences * length / batch_shards / sizes["sequence"]
+
+
+def plan(config: ModelConfig, mesh_sizes: dict[str, int], *, device_memory: float, batch: int, seq: int,
+         serve_batch: int, serve_len: int, optimizer_dtype: str = "float32", critic: str = "separate",
+         teachers: int = 0, slots: int = 64, rollout_len: int | None = None, state=None, teacher_state=None,
+         rules=None) -> Plan:
+    """The per-device bytes of training, serving and RL (see the module docstring) of
+    `config` on a mesh of `mesh_sizes`. state / teacher_state: the abstract states of the
+    model and of its bf16 copy, when the caller has them."""
+    if critic not in CRITICS:
+        raise ValueError(f"critic={critic!r}: expected one of {CRITICS}")
+    rollout_len = seq if rollout_len is None else rollout_len
+    sizes = {a: mesh_sizes.get(a, 1) for a in sharding.AXES}
+    mesh = jax.sharding.AbstractMesh(tuple(sizes.values()), sharding.AXES)
+    state = abstract_state(config) if state is None else state
+    total, per_device, per_device_count = _per_device(state, sizes, mesh, rules)
+    optimizer = _optimizer_bytes(per_device_count, config.param_dtype, optimizer_dtype)
     gradients = per_device
 
     c = config
@@ -114,11 +182,28 @@ def plan(config: ModelConfig, mesh_sizes: dict[str, int], *, device_memory: floa
     head = 3 * b * t * c.vocab_size / sizes["tensor"] * 4
     activations = layer_inputs + max(attention + indexer, moe, head)
 
-    kv_per_token = sum((c.kv_lora_rank + c.qk_rope_head_dim + (c.index_head_dim if c.has_indexer(i) else 0)) * act
-                       for i in range(c.num_hidden_layers))
-    kv_cache = kv_per_token * serve_batch * serve_len / batch_shards / sizes["sequence"]
+    # The value head [D] ("embed") and its bias [], fp32 (rl/learner.py: ValueModel).
+    head_spec = sharding.logical_spec(("embed",), (c.hidden_size,), mesh=mesh, rules=rules)
+    head_values = c.hidden_size / _shards(head_spec, sizes) + 1
+    head_optimizer = _optimizer_bytes(head_values, "float32", optimizer_dtype)
+    critic_params = critic_optimizer = 0.0
+    if critic == "separate":
+        critic_params, critic_optimizer = per_device + 4 * head_values, optimizer + head_optimizer
+    elif critic == "shared":
+        critic_params, critic_optimizer = 4 * head_values, head_optimizer
+
+    teacher = 0.0
+    if teachers:
+        teacher_state = _bf16_state(c, state) if teacher_state is None else teacher_state
+        teacher = teachers * _per_device(teacher_state, sizes, mesh, rules)[1]
+
+    settings = dict(batch=batch, seq=seq, serve_batch=serve_batch, serve_len=serve_len, optimizer_dtype=optimizer_dtype,
+                    critic=critic, teachers=teachers, slots=slots, rollout_len=rollout_len)
     return Plan(mesh=sizes, param_bytes_total=int(total), params=per_device, optimizer=optimizer,
-                gradients=gradients, activations=activations, kv_cache=kv_cache, device_memory=device_memory)
+                gradients=gradients, activations=activations,
+                kv_cache=kv_cache_bytes(c, serve_batch, serve_len, sizes), device_memory=device_memory,
+                critic_params=critic_params, critic_optimizer=critic_optimizer,
+                rollout_kv_cache=kv_cache_bytes(c, slots, rollout_len, sizes), teacher=teacher, settings=settings)
 
 
 def candidate_meshes(devices: int):
@@ -130,23 +215,31 @@ def candidate_meshes(devices: int):
 
 
 def search(config, devices, **kwargs):
-    """The first fitting mesh, preferring more FSDP, then less tensor parallelism."""
+    """The first mesh on which training, serving and RL fit, preferring the smallest RL
+    total, then less tensor parallelism."""
     state = abstract_state(config)
-    plans = [plan(config, m, state=state, **kwargs) for m in candidate_meshes(devices)]
-    fitting = [p for p in plans if p.fits_training and p.fits_serving]
-    key = lambda p: (p.train_total, p.mesh["tensor"])  # noqa: E731
+    teacher_state = _bf16_state(config, state) if kwargs.get("teachers") else None
+    plans = [plan(config, m, state=state, teacher_state=teacher_state, **kwargs) for m in candidate_meshes(devices)]
+    fitting = [p for p in plans if p.fits]
+    key = lambda p: (p.rl_total, p.mesh["tensor"])  # noqa: E731
     return (min(fitting, key=key) if fitting else min(plans, key=key)), plans
 
 
 def format_plan(p: Plan) -> str:
     mesh = ", ".join(f"{k}={v}" for k, v in p.mesh.items() if v > 1) or "1 device"
+    s = p.settings
+    critic = {"separate": "own trunk + head", "shared": "head on the policy's trunk", "none": "none"}[s["critic"]]
     rows = [("parameters", p.params), ("optimizer (AdamW)", p.optimizer), ("gradients", p.gradients),
             ("activations (remat per layer)", p.activations), ("training total", p.train_total),
-            ("serving KV cache", p.kv_cache), ("serving total", p.serve_total)]
+            ("serving KV cache", p.kv_cache), ("serving total", p.serve_total),
+            (f"RL: critic ({critic})", p.critic_params), ("RL: critic optimizer", p.critic_optimizer),
+            (f"RL: rollout KV cache ({s['slots']} x {s['rollout_len']})", p.rollout_kv_cache),
+            (f"RL: teachers ({s['teachers']}, bf16)", p.teacher), ("RL total", p.rl_total)]
     lines = [f"mesh: {mesh}   (model {p.param_bytes_total / GB:,.1f} GB of parameters in all)"]
-    lines += [f"  {name:<32s} {value / GB:10.2f} GB / device" for name, value in rows]
-    lines.append(f"  device memory {p.device_memory / GB:.0f} GB: training {'fits' if p.fits_training else 'does NOT fit'}"
-                 f", serving {'fits' if p.fits_serving else 'does NOT fit'} (90% budget)")
+    lines += [f"  {name:<40s} {value / GB:10.2f} GB / device" for name, value in rows]
+    verdict = lambda ok: "fits" if ok else "does NOT fit"  # noqa: E731
+    lines.append(f"  device memory {p.device_memory / GB:.0f} GB: training {verdict(p.fits_training)}, serving "
+                 f"{verdict(p.fits_serving)}, RL {verdict(p.fits_rl)} (90% budget)")
     return "\n".join(lines)
 
 
@@ -165,12 +258,19 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--serve-batch", type=int, default=64)
     ap.add_argument("--serve-len", type=int, default=131072)
+    ap.add_argument("--critic", default="separate", choices=CRITICS,
+                    help="RL value model: its own trunk, a head on the policy's, or none")
+    ap.add_argument("--teachers", type=int, default=0,
+                    help="RL: bf16 teachers on the devices at once (on-policy distillation)")
+    ap.add_argument("--slots", type=int, default=64, help="RL: the rollout engine's concurrent sequences")
+    ap.add_argument("--rollout-len", type=int, help="RL: tokens per rollout slot (default --seq)")
     ap.add_argument("--json", help="also write the plan(s) here")
     args, overrides = ap.parse_known_args(argv)
     config = presets.model_config_from(presets.load_config(args.config, overrides)).replace(
         param_dtype=args.param_dtype, dtype=args.param_dtype)
     kwargs = dict(device_memory=args.device_memory_gb * GB, batch=args.batch, seq=args.seq,
-                  serve_batch=args.serve_batch, serve_len=args.serve_len, optimizer_dtype=args.optimizer_dtype)
+                  serve_batch=args.serve_batch, serve_len=args.serve_len, optimizer_dtype=args.optimizer_dtype,
+                  critic=args.critic, teachers=args.teachers, slots=args.slots, rollout_len=args.rollout_len)
     if args.search:
         if not args.devices:
             ap.error("--search needs --devices")
@@ -186,7 +286,7 @@ def main(argv=None):
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result.to_json(), f, indent=2)
-    return 0 if result.fits_training and result.fits_serving else 1
+    return 0 if result.fits else 1
 
 
 if __name__ == "__main__":
