@@ -27,7 +27,7 @@ def _logits(model, ids):
 
 
 def _expert_stacks(model):
-    blocks = [layer for layer in model.layers] + [model.mtp.block]
+    blocks = list(model.layers) + [model.mtp.block]
     return [getattr(b.mlp.experts, p) for b in blocks if hasattr(b.mlp, "experts") for p in ("gate", "up", "down")]
 
 
