@@ -348,6 +348,9 @@ class Client:
         self.channel.close()
 
 
+DEFAULT_MAX_LEN = 2048  # tokens per slot, when the checkpoint allows that many
+
+
 def build_driver(args: argparse.Namespace) -> Driver:
     import glmjax
     from rl.engine import GlmEngine
@@ -368,7 +371,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="a non-loopback address needs a token or --insecure")
     p.add_argument("--port", type=int, default=9000)
     p.add_argument("--slots", type=int, default=8, help="concurrent decodes")
-    p.add_argument("--max-len", type=int, default=2048, help="tokens per slot: prompt + generated")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="tokens per slot: prompt + generated (default 2048, or the checkpoint's "
+                        "max_position_embeddings when smaller)")
     p.add_argument("--num-draft", type=int, default=0, help="MTP drafts per step (0: plain decoding)")
     p.add_argument("--mtp-mode", default="own", choices=("own", "shared"))
     p.add_argument("--temperature", type=float, default=0.0)
@@ -414,6 +419,8 @@ def _check_args(args: argparse.Namespace) -> None:
         config = ModelConfig.from_hf(path)
     except (OSError, ValueError, TypeError) as err:  # unreadable or invalid JSON, an unsupported model
         raise ValueError(f"--checkpoint {path}: config.json: {err}") from None
+    if args.max_len is None:
+        args.max_len = min(DEFAULT_MAX_LEN, config.max_position_embeddings)
     if not 2 <= args.max_len <= config.max_position_embeddings:
         raise ValueError(f"--max-len {args.max_len} must be in [2, {config.max_position_embeddings}] "
                          f"(the checkpoint's max_position_embeddings)")

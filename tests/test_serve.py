@@ -241,3 +241,9 @@ def test_bad_command_lines_are_one_line_errors(server, tmp_path, capsys, kind, e
         serve.main(argv)
     line = _one_error_line(exit_, capsys)
     assert line.startswith("glmjax-serve: error: " + message.format(path=path, busy=busy)), line
+
+
+def test_max_len_defaults_to_the_checkpoint_positions_when_fewer(server):
+    """TINY has max_position_embeddings 256 < 2048: without --max-len the server starts with 256."""
+    assert TINY.max_position_embeddings < serve.DEFAULT_MAX_LEN
+    assert serve.parse_args(["--checkpoint", str(server.path)]).max_len == TINY.max_position_embeddings
