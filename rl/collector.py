@@ -29,6 +29,15 @@ from rl.driver import Driver, Handle, Request
 log = logging.getLogger(__name__)
 
 
+def _stamped(work, ended: list):
+    """Runs `work` and appends the time it ended (also when it raised), so that environment
+    seconds stop when the work does, not when the loop next polls."""
+    try:
+        return work()
+    finally:
+        ended.append(time.time())
+
+
 class Collector:
     def __init__(self, driver: Driver, admission: ro.Admission, make_rollout, tasks, *, group_size: int = 1,
                  tau: int = 4, workers: int = 4, env_timeout: float = 600.0, score=None):
@@ -45,7 +54,7 @@ class Collector:
         self.rollout_seconds = 0.0  # time from start to end, summed over finished rollouts
         self._born: dict[int, float] = {}
         self._engine: dict = {}  # driver handle -> (task, rollout, rid)
-        self._env: dict = {}  # future -> (task, rollout, rid, started at)
+        self._env: dict = {}  # future -> (task, rollout, rid, started at, [ended at])
         self._groups = collections.defaultdict(list)  # group id -> finished members (None where dropped)
         self._ready: list = []  # complete groups: lists of rollouts, each a list of trajectories
 
@@ -69,10 +78,10 @@ class Collector:
             self._advance(task, r, rid, version)
         now = time.time()
         for f in list(self._env):
-            task, r, rid, started = self._env[f]
+            task, r, rid, started, ended = self._env[f]
             if f.done():
                 del self._env[f]
-                self.env_seconds += now - started
+                self.env_seconds += (ended[0] if ended else now) - started  # the worker's own end
                 if f.exception() is not None:
                     log.warning("environment of rollout %d (%s) failed: %r", rid, getattr(task, "id", "?"),
                                 f.exception())
@@ -104,7 +113,8 @@ class Collector:
                     return self._drop(r, rid, "engine_rejected")
                 return
             if work is not None:
-                self._env[self.pool.submit(work)] = (task, r, rid, time.time())
+                ended: list[float] = []
+                self._env[self.pool.submit(_stamped, work, ended)] = (task, r, rid, time.time(), ended)
                 return
             return self._finish(task, r, rid, version)
 
@@ -164,7 +174,7 @@ class Collector:
     def close(self) -> None:
         for h in self._engine:
             h.cancel()
-        for _, r, _, _ in self._env.values():
+        for _, r, _, _, _ in self._env.values():
             r.close()
         for _, r, _ in self._engine.values():
             r.close()

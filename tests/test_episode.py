@@ -167,6 +167,32 @@ def test_a_hanging_command_and_a_crashing_verifier_each_drop_one_episode(model):
     assert admission.accepted == 6 and admission.dropped == 2 and admission.running == 0
 
 
+class _FailingWork:
+    """A rollout whose one piece of environment work runs 0.2 s, then raises."""
+
+    def next(self):
+        def work():
+            time.sleep(0.2)
+            raise RuntimeError("the sandbox crashed")
+        return work
+
+    def close(self):
+        pass
+
+
+def test_environment_seconds_stop_when_the_work_ends_not_at_the_next_poll():
+    admission = ro.Admission(batch_size=1, eta=0, max_concurrent=1)
+    collector = Collector(None, admission, lambda task, rid: _FailingWork(), itertools.repeat("task"), workers=1)
+    try:
+        collector.poll(0)
+        time.sleep(1.0)  # the learner's step: the loop does not poll
+        collector.poll(0)
+    finally:
+        collector.close()
+    assert dict(collector.dropped) == {"env_error": 1}
+    assert 0.2 <= collector.env_seconds < 0.6
+
+
 class AlternatingEnv(ScriptedEnv):
     """Rewards 1 on even rollout ids, 0 on odd: each GRPO group has a winner and a loser."""
 
