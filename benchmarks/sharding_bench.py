@@ -1,12 +1,19 @@
-"""Train-step time of configs/small.py across meshes on 8 fake CPU devices, and the share
-of it spent in the MoE dispatch.
+"""Train-step time of configs/small.py across meshes on 8 fake CPU devices, the share
+of it spent in the MoE dispatch, and the time to publish weights between layouts.
 
     python benchmarks/sharding_bench.py --out results/sharding_bench.json
+    python benchmarks/sharding_bench.py --out /tmp/publish.json --parts publish
 
 The 8 devices share this machine's cores, so absolute times say little; the ratios
 between meshes show the cost of each layout's collectives. The MoE share is the time of
 the expert layers alone (routing, exchange, grouped matmuls, forward + backward) over the
 whole step's, both under the same mesh.
+
+publish: milliseconds of `WeightStore.publish` (rl/weights.py) for configs/tiny.py and
+configs/small.py, until the published arrays are ready, median of PUBLISH_REPEATS: into
+the learner's own layout (fsdp=8, a reference swap), into another layout on the same
+devices (expert=4 x tensor=2) and onto disjoint devices (fsdp=4 on devices 0-3 to
+expert=2 x tensor=2 on 4-7).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ sys.path.insert(0, str(REPO))
 import glmjax  # noqa: E402
 from glmjax import presets, sharding  # noqa: E402
 from glmjax.layers.moe import MoE  # noqa: E402
+from rl.weights import WeightStore  # noqa: E402
 
 MESHES = {
     "data8": dict(data=8),
@@ -43,6 +51,8 @@ MESHES = {
     "sequence4-tensor2": dict(sequence=4, tensor=2),
     "tensor8": dict(tensor=8),
 }
+PUBLISH_CONFIGS = ("tiny", "small")
+PUBLISH_REPEATS = 10
 
 
 def median_time(fn, repeats):
@@ -92,26 +102,59 @@ def bench_mesh(config, mesh_sizes, batch, seq, repeats):
     return {"step_s": t_step, "moe_s": t_moe, "moe_share": t_moe / t_step}
 
 
+def bench_publish(config, repeats):
+    """Publish milliseconds from a learner layout into an engine layout, for three pairs."""
+    devices = jax.devices()
+    pairs = {
+        "same_layout_swap_ms": (glmjax.make_mesh(fsdp=8), glmjax.make_mesh(fsdp=8)),
+        "reshard_same_devices_ms": (glmjax.make_mesh(fsdp=8), glmjax.make_mesh(expert=4, tensor=2)),
+        "reshard_disjoint_devices_ms": (glmjax.make_mesh(fsdp=4, devices=devices[:4]),
+                                        glmjax.make_mesh(expert=2, tensor=2, devices=devices[4:])),
+    }
+    out = {}
+    for key, (learner_mesh, engine_mesh) in pairs.items():
+        state = nnx.state(glmjax.init_model(config, seed=0, mesh=learner_mesh))
+        new = nnx.state(glmjax.init_model(config, seed=1, mesh=learner_mesh))
+        store = WeightStore(state, shardings=sharding.param_shardings(state, engine_mesh))
+
+        def publish():
+            store.publish(new)
+            return store.latest().state
+
+        out[key] = 1e3 * median_time(publish, repeats)
+    out["param_bytes"] = sum(x.nbytes for x in jax.tree.leaves(state))
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--parts", nargs="+", choices=("meshes", "publish"), default=("meshes", "publish"))
     args = ap.parse_args(argv)
-    config = presets.model_config_from(presets.load_config(str(REPO / "configs" / "small.py"))).replace(
-        num_nextn_predict_layers=0)
+    load = lambda name: presets.model_config_from(  # noqa: E731
+        presets.load_config(str(REPO / "configs" / f"{name}.py"))).replace(num_nextn_predict_layers=0)
     results = {"config": "configs/small.py", "batch": args.batch, "seq": args.seq, "devices": len(jax.devices()),
-               "repeats": args.repeats, "load_average_start": os.getloadavg()[0], "meshes": {}}
-    for name, sizes in MESHES.items():
-        r = bench_mesh(config, sizes, args.batch, args.seq, args.repeats)
-        results["meshes"][name] = r
-        print(f"{name:24s} step {r['step_s'] * 1e3:8.1f} ms   MoE {r['moe_s'] * 1e3:8.1f} ms "
-              f"({100 * r['moe_share']:.0f}%)", flush=True)
+               "repeats": args.repeats, "load_average_start": os.getloadavg()[0]}
+    if "meshes" in args.parts:
+        config, results["meshes"] = load("small"), {}
+        for name, sizes in MESHES.items():
+            r = bench_mesh(config, sizes, args.batch, args.seq, args.repeats)
+            results["meshes"][name] = r
+            print(f"{name:24s} step {r['step_s'] * 1e3:8.1f} ms   MoE {r['moe_s'] * 1e3:8.1f} ms "
+                  f"({100 * r['moe_share']:.0f}%)", flush=True)
+        base = results["meshes"]["data8"]["step_s"]
+        for r in results["meshes"].values():
+            r["relative_step_time"] = r["step_s"] / base
+    if "publish" in args.parts:
+        results["publish_repeats"], results["publish"] = PUBLISH_REPEATS, {}
+        for name in PUBLISH_CONFIGS:
+            r = results["publish"][f"configs/{name}.py"] = bench_publish(load(name), PUBLISH_REPEATS)
+            print(f"publish {name:8s} " + "   ".join(f"{k} {v:.2f}" for k, v in r.items() if k.endswith("_ms")),
+                  flush=True)
     results["load_average_end"] = os.getloadavg()[0]  # the 8 devices share the host's cores with whatever else runs
-    base = results["meshes"]["data8"]["step_s"]
-    for r in results["meshes"].values():
-        r["relative_step_time"] = r["step_s"] / base
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=2))
