@@ -12,6 +12,11 @@ import jax
 import jax.numpy as jnp
 
 from glmjax.config import ModelConfig
+from glmjax.sharding import logical_spec
+
+# logical axes (glmjax/sharding.py) of a layer's cached arrays
+LATENT_AXES = ("slots", "cache_length", "cache_latent")  # c_kv [B, S, C]
+KEY_AXES = ("slots", "cache_length", None)  # k_rope [B, S, R], index_k [B, S, I]
 
 
 class LayerCache(NamedTuple):
@@ -54,6 +59,20 @@ class KVCache(NamedTuple):
         )
         mtp = LayerCache.zeros(config, batch, max_len, dtype, True) if config.num_nextn_predict_layers else None
         return cls(layers, jnp.zeros((batch,), jnp.int32), mtp)
+
+    def shardings(self, mesh: jax.sharding.Mesh, rules=None) -> "KVCache":
+        """The cache's NamedShardings on `mesh` (the same tree, a sharding per array) from
+        the logical axes above and the rules (the ambient ones by default). Works on a
+        cache of jax.ShapeDtypeStruct as well."""
+        def place(x, names):
+            return None if x is None else jax.sharding.NamedSharding(
+                mesh, logical_spec(names, x.shape, mesh=mesh, rules=rules))
+
+        def layer(c: LayerCache) -> LayerCache:
+            return LayerCache(place(c.c_kv, LATENT_AXES), place(c.k_rope, KEY_AXES), place(c.index_k, KEY_AXES))
+
+        return KVCache(tuple(layer(c) for c in self.layers), place(self.lengths, ("slots",)),
+                       None if self.mtp is None else layer(self.mtp))
 
     @property
     def max_len(self) -> int:

@@ -54,6 +54,12 @@ DEFAULT_RULES: Rules = (
     ("router", None),
     ("norm", None),
     ("layers", "stage"),
+    # the decode state (rl/engine.py) and its KV cache (glmjax/cache.py): the slots split
+    # like a batch; every slot's whole latent and length on the devices that hold it (MLA
+    # decode reads all of a token's latent)
+    ("slots", BATCH_AXES),
+    ("cache_length", None),
+    ("cache_latent", None),
     # activations
     ("batch", BATCH_AXES),
     ("length", "sequence"),
@@ -61,6 +67,12 @@ DEFAULT_RULES: Rules = (
     ("act_heads", "tensor"),
     ("act_vocab", "tensor"),
 )
+
+# Serving: only the experts (over `expert`) and the per-head / hidden / vocabulary
+# dimensions (over `tensor`) are split; a decode step then gathers no weight, where
+# FSDP's split of every hidden dimension would gather each layer's weights every step.
+DECODE_RULES: Rules = tuple((name, None if name in ("embed", "q_lora", "kv_lora") else target)
+                            for name, target in DEFAULT_RULES)
 
 _RULES: contextvars.ContextVar[Rules] = contextvars.ContextVar("glmjax_sharding_rules", default=DEFAULT_RULES)
 

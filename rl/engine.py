@@ -43,10 +43,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
+from glmjax import sharding
 from glmjax.cache import KVCache
 from rl import speculative
 from rl.sampling import SamplingParams, sample, sampling_logprobs, split_keys, token_logprobs
-from rl.weights import Weights, WeightStore
+from rl.weights import Weights, WeightStore, has_shardings
 
 try:  # google-jetstream 0.2.2; its engine_api imports seqio (TensorFlow), so usually absent
     from jetstream.engine.engine_api import Engine as _Engine
@@ -177,13 +178,29 @@ def default_buckets(max_prefill_length: int, smallest: int = 16) -> tuple[int, .
 class GlmEngine(_Engine):
     def __init__(self, model, *, weights: WeightStore | None = None, max_concurrent_decodes: int = 8,
                  max_len: int = 1024, max_prefill_length: int | None = None, prefill_buckets=None,
-                 num_draft: int = 0, mtp_mode: str = "own", max_top_k: int = 64):
+                 num_draft: int = 0, mtp_mode: str = "own", max_top_k: int = 64,
+                 mesh: jax.sharding.Mesh | None = None, rules: sharding.Rules | None = None):
         """model: a GlmForCausalLM (its state becomes version 0 of a new WeightStore unless
         `weights` is given). num_draft: MTP drafts per step (0 = plain decoding);
-        mtp_mode: "own" or "shared" (rl/speculative.py)."""
+        mtp_mode: "own" or "shared" (rl/speculative.py).
+
+        mesh, rules: where the engine runs (glmjax.make_mesh; default one device) and the
+        logical rules (default the ambient ones). The parameters are split as the rules
+        say (`param_shardings`; a store of the engine's own is placed in them), the decode
+        state's slots over the batch axes (rule "slots"), its cache per the cache rules
+        (glmjax/cache.py); with an `expert` axis the MoE layers dispatch all-to-all. A
+        `weights` store given by the caller should hold states in `param_shardings`
+        (WeightStore(..., shardings=engine.param_shardings))."""
         self.graphdef, state = nnx.split(model)
         self.config = model.config
-        self.weights = weights if weights is not None else WeightStore(state)
+        self._mesh = mesh if mesh is not None else sharding.make_mesh(devices=jax.devices()[:1])
+        self.rules = sharding.rules_from(rules) if rules is not None else sharding.current_rules()
+        self.param_shardings = sharding.param_shardings(state, self._mesh, self.rules)
+        if weights is None:  # the model's own arrays, placed once in the engine's layout
+            if not has_shardings(state, self.param_shardings):
+                state = jax.device_put(state, self.param_shardings)
+            weights = WeightStore(state, shardings=self.param_shardings)
+        self.weights = weights
         if num_draft and model.mtp is None:
             raise ValueError(f"num_draft={num_draft} needs an MTP layer; this model has none")
         if mtp_mode not in speculative.MODES:
@@ -201,15 +218,25 @@ class GlmEngine(_Engine):
         self._treedef = jax.tree.structure(state)
         self._flat: tuple[Any, list] | None = None  # (state, its leaves) of the last version read
         self._empties: dict[int, KVCache] = {}
-        self._prefill_fn = jax.jit(self._prefill_impl)
         self.decode_rows = default_buckets(self._slots, smallest=min(8, self._slots))
-        self._generate_fn = jax.jit(self._generate_rows, donate_argnums=(1,), static_argnums=(3,))
-        self._move_fn = jax.jit(self._move_impl, donate_argnums=(0,))
-        self._insert_fn = jax.jit(self._insert_impl, donate_argnums=(1,))
+        # Explicit layouts: the decode state stays in `state_shardings` through every call
+        # (donated, so a step updates it in place); a prefill's outputs are constrained to
+        # the same logical axes inside the call (their row count varies).
+        with self._on_mesh():
+            self.state_shardings = self._state_shardings(jax.eval_shape(self._zero_state))
+        st, rep = self.state_shardings, sharding.NamedSharding(self._mesh, sharding.PartitionSpec())
+        result = (self._replicated_rows(),) * 3
+        self._prefill_fn = jax.jit(self._prefill_impl)
+        self._init_fn = jax.jit(self._zero_state, out_shardings=st)
+        self._generate_fn = jax.jit(self._generate_rows, in_shardings=(None, st, rep), out_shardings=(st, result),
+                                    donate_argnums=(1,), static_argnums=(3,))
+        self._move_fn = jax.jit(self._move_impl, in_shardings=(st, rep, rep), out_shardings=st, donate_argnums=(0,))
+        self._insert_fn = jax.jit(self._insert_impl, in_shardings=(None, st, rep), out_shardings=st,
+                                  donate_argnums=(1,))
         self._free_fn = jax.jit(lambda state, slot: state._replace(active=state.active.at[slot].set(False)),
-                                donate_argnums=(0,))
+                                in_shardings=(st, rep), out_shardings=st, donate_argnums=(0,))
         self._extract_fn = jax.jit(lambda state, slot: jax.tree.map(
-            lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, 0), state.cache))
+            lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, 0), state.cache), in_shardings=(st, rep))
 
     # Properties ------------------------------------------------------------------------
     @property
@@ -226,7 +253,30 @@ class GlmEngine(_Engine):
 
     @property
     def mesh(self) -> jax.sharding.Mesh:
-        return jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
+        return self._mesh
+
+    def _on_mesh(self):
+        """The engine's mesh and rules as the ambient ones: every call traces and runs
+        under them, whatever the caller's thread has set."""
+        return sharding.use_mesh(self._mesh, self.rules)
+
+    def _spec(self, names, shape) -> jax.sharding.NamedSharding:
+        return sharding.NamedSharding(self._mesh, sharding.logical_spec(names, shape, mesh=self._mesh,
+                                                                        rules=self.rules))
+
+    def _replicated_rows(self) -> jax.sharding.NamedSharding:
+        """A step's results [B, K+1]: on every device, read by the host each step."""
+        return sharding.NamedSharding(self._mesh, sharding.PartitionSpec())
+
+    def _state_shardings(self, state: "DecodeState") -> "DecodeState":
+        """The decode state's NamedShardings: per slot over the "slots" rule, the cache per
+        glmjax/cache.py, drafts' log-probs over the vocabulary rule."""
+        slots = lambda x, *rest: self._spec(("slots",) + rest, x.shape)  # noqa: E731
+        return DecodeState(
+            cache=state.cache.shardings(self._mesh, self.rules), tokens=slots(state.tokens),
+            drafts=slots(state.drafts, None), draft_logp=slots(state.draft_logp, None, "act_vocab"),
+            temperature=slots(state.temperature), top_k=slots(state.top_k), rng=slots(state.rng),
+            active=slots(state.active), generated=slots(state.generated))
 
     @property
     def colocated_cpus(self):
@@ -323,10 +373,11 @@ class GlmEngine(_Engine):
         else:
             cache = caches[0] if rows == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *caches)
         w = self._weights(params)
-        return self._prefill_fn(self._leaves(w), cache, jnp.asarray(ids), jnp.asarray(lengths, jnp.int32),
-                                jnp.asarray([s.temperature for s in sampling], jnp.float32),
-                                jnp.asarray([s.top_k for s in sampling], jnp.int32),
-                                jnp.stack([jax.random.key(s.seed) for s in sampling]), np.int32(w.version))
+        with self._on_mesh():
+            return self._prefill_fn(self._leaves(w), cache, jnp.asarray(ids), jnp.asarray(lengths, jnp.int32),
+                                    jnp.asarray([s.temperature for s in sampling], jnp.float32),
+                                    jnp.asarray([s.top_k for s in sampling], jnp.int32),
+                                    jnp.stack([jax.random.key(s.seed) for s in sampling]), np.int32(w.version))
 
     def _prefill_impl(self, leaves, cache, ids, true_length, temperature, top_k, keys, version):
         """ids [n, T] after cache [n, S]; true_length, temperature, top_k, keys [n]."""
@@ -343,8 +394,16 @@ class GlmEngine(_Engine):
         log_prob = token_logprobs(step_logits, logp, token, temperature)
         drafts, draft_logp, cache = self._draft(model, cache, hidden, ids, token, topk, start, last, temperature,
                                                 top_k, subs[1:])
-        return Prefix(cache, token, log_prob, jnp.full(token.shape, version), drafts, draft_logp, temperature,
-                      top_k, keys)
+        prefix = Prefix(cache, token, log_prob, jnp.full(token.shape, version), drafts, draft_logp, temperature,
+                        top_k, keys)
+        return jax.lax.with_sharding_constraint(prefix, self._prefix_shardings(prefix))
+
+    def _prefix_shardings(self, prefix: Prefix) -> Prefix:
+        """A Prefix of n rows laid out as n slots of the decode state."""
+        slots = lambda x, *rest: self._spec(("slots",) + rest, x.shape)  # noqa: E731
+        return Prefix(prefix.cache.shardings(self._mesh, self.rules), slots(prefix.token), slots(prefix.log_prob),
+                      slots(prefix.version), slots(prefix.drafts, None), slots(prefix.draft_logp, None, "act_vocab"),
+                      slots(prefix.temperature), slots(prefix.top_k), slots(prefix.rng))
 
     def _draft(self, model, cache, hidden, fed, next_token, topk, start, last, temp, top_k, keys):
         """Drafts after a forward of `fed` [B, T] at positions start + (0..T-1), of which
@@ -383,6 +442,11 @@ class GlmEngine(_Engine):
 
     # Slots -----------------------------------------------------------------------------
     def init_decode_state(self, *args, **kwargs) -> DecodeState:
+        """Every slot empty, in `state_shardings`."""
+        with self._on_mesh():
+            return self._init_fn()
+
+    def _zero_state(self) -> DecodeState:
         b, k = self._slots, self.num_draft
         cache = KVCache.init(self.config, b, self.max_len)
         return DecodeState(
@@ -408,7 +472,8 @@ class GlmEngine(_Engine):
         rows = prefix.token.shape[0]
         targets = np.full((rows,), self._slots, np.int32)  # out of range: dropped
         targets[:len(slots)] = slots
-        return self._insert_fn(prefix, decode_state, jnp.asarray(targets))
+        with self._on_mesh():
+            return self._insert_fn(prefix, decode_state, jnp.asarray(targets))
 
     @staticmethod
     def _insert_impl(prefix: Prefix, state: DecodeState, slots):
@@ -427,12 +492,14 @@ class GlmEngine(_Engine):
 
     def free(self, decode_state: DecodeState, slot: int) -> DecodeState:
         """Marks `slot` empty: its length stops advancing until the next insert."""
-        return self._free_fn(decode_state, jnp.int32(slot))
+        with self._on_mesh():
+            return self._free_fn(decode_state, jnp.int32(slot))
 
     def move(self, decode_state: DecodeState, src: int, dst: int) -> DecodeState:
         """Slot `src`'s contents (cache row, pending token, settings, key) into slot `dst`,
         whose old contents are dropped; `src` is free afterwards."""
-        return self._move_fn(decode_state, jnp.int32(src), jnp.int32(dst))
+        with self._on_mesh():
+            return self._move_fn(decode_state, jnp.int32(src), jnp.int32(dst))
 
     @staticmethod
     def _move_impl(state: DecodeState, src, dst):
@@ -445,7 +512,8 @@ class GlmEngine(_Engine):
 
     def extract(self, decode_state: DecodeState, slot: int) -> KVCache:
         """The cache of `slot` as a batch-1 KVCache, usable as `existing_prefix`."""
-        return self._extract_fn(decode_state, jnp.int32(slot))
+        with self._on_mesh():
+            return self._extract_fn(decode_state, jnp.int32(slot))
 
     # Generate --------------------------------------------------------------------------
     def generate(self, params, decode_state: DecodeState) -> tuple[DecodeState, ResultTokens]:
@@ -459,8 +527,9 @@ class GlmEngine(_Engine):
         if rows not in self.decode_rows:
             raise ValueError(f"rows={rows} is not one of the engine's decode_rows {self.decode_rows}")
         w = self._weights(params)
-        state, (data, log_probs, versions) = self._generate_fn(self._leaves(w), decode_state, np.int32(w.version),
-                                                               rows)
+        with self._on_mesh():
+            state, (data, log_probs, versions) = self._generate_fn(self._leaves(w), decode_state,
+                                                                   np.int32(w.version), rows)
         k1 = self.num_draft + 1
         return state, ResultTokens(data, log_probs, versions, (0, k1), (k1, 2 * k1), (2 * k1, 2 * k1 + 1), 1)
 

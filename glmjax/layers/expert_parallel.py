@@ -30,19 +30,16 @@ from glmjax.layers.gmm import swiglu_experts
 TOKEN_AXES = ("data", "fsdp", "expert", "sequence")
 
 
-def _token_axes(mesh, num_tokens: int) -> tuple[str, ...] | None:
-    axes = tuple(a for a in TOKEN_AXES if mesh.shape[a] > 1)
-    if num_tokens % math.prod(mesh.shape[a] for a in axes):
-        return None
-    return axes
+def _token_axes(mesh) -> tuple[str, ...]:
+    return tuple(a for a in TOKEN_AXES if mesh.shape[a] > 1)
 
 
-def enabled(num_tokens: int, num_experts: int) -> bool:
-    """Whether the ambient mesh splits experts and the tokens divide evenly over it."""
+def enabled(num_experts: int) -> bool:
+    """Whether the ambient mesh splits the experts evenly over its `expert` axis."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or "expert" not in mesh.shape or mesh.shape["expert"] == 1:
         return False
-    return num_experts % mesh.shape["expert"] == 0 and _token_axes(mesh, num_tokens) is not None
+    return num_experts % mesh.shape["expert"] == 0
 
 
 def _dispatch_compute_combine(x, experts, weights, gate, up, down, *, capacity_factor, split_hidden):
@@ -76,9 +73,21 @@ def _dispatch_compute_combine(x, experts, weights, gate, up, down, *, capacity_f
 
 def experts_forward(x, experts, weights, gate, up, down, *, capacity_factor=None):
     """x [N, D], experts / weights [N, X], gate / up [E, D, F], down [E, F, D] -> [N, D],
-    computed with experts split over the ambient mesh's `expert` axis."""
+    computed with experts split over the ambient mesh's `expert` axis.
+
+    N need not divide over the token axes (a decode step of a few rows, a prefill of one
+    sequence): the tokens are padded to a multiple with rows of routing weight 0, which
+    come last on their device, so that a capacity bound drops them before any real copy."""
     mesh = jax.sharding.get_abstract_mesh()
-    tokens = P(_token_axes(mesh, x.shape[0]), None)
+    axes = _token_axes(mesh)
+    n, pad = x.shape[0], -x.shape[0] % math.prod(mesh.shape[a] for a in axes)
+    if pad:
+        e = gate.shape[0]
+        fill = jnp.arange(pad * experts.shape[1], dtype=experts.dtype).reshape(pad, -1) % e  # spread over experts
+        x = jnp.pad(x, ((0, pad), (0, 0)))
+        experts = jnp.concatenate([experts, fill])
+        weights = jnp.pad(weights, ((0, pad), (0, 0)))
+    tokens = P(axes or None, None)
     f = gate.shape[-1]
     split_hidden = mesh.shape["tensor"] > 1 and f % mesh.shape["tensor"] == 0
     hidden = "tensor" if split_hidden else None
@@ -89,4 +98,4 @@ def experts_forward(x, experts, weights, gate, up, down, *, capacity_factor=None
         out_specs=tokens,
         check_vma=False,
     )
-    return fn(x, experts, weights, gate, up, down)
+    return fn(x, experts, weights, gate, up, down)[:n]

@@ -111,7 +111,7 @@ class MoE(nnx.Module):
         """x [B, T, D] -> (y [B, T, D], per-expert load [E])."""
         flat = x.reshape(-1, x.shape[-1])
         routing = self.router(flat)
-        if expert_parallel.enabled(flat.shape[0], self.config.n_routed_experts):
+        if expert_parallel.enabled(self.config.n_routed_experts):
             ex, dt = self.experts, x.dtype
             y = expert_parallel.experts_forward(
                 flat, routing.experts, routing.weights, ex.gate[...].astype(dt), ex.up[...].astype(dt),
