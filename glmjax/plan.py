@@ -277,10 +277,10 @@ def main(argv=None):
         best, _ = search(config, args.devices, **kwargs)
         result = best
     else:
-        mesh = {k: int(v) for k, v in (item.split("=") for item in args.mesh.split(",") if item)}
-        unknown = set(mesh) - set(sharding.AXES)
-        if unknown:
-            ap.error(f"unknown mesh axes {sorted(unknown)}; axes are {sharding.AXES}")
+        try:
+            mesh = sharding.parse_axes(args.mesh)
+        except ValueError as err:
+            ap.error(f"--mesh: {err}")
         result = plan(config, mesh, **kwargs)
     print(format_plan(result))
     if args.json:

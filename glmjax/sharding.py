@@ -89,6 +89,22 @@ def make_mesh(*, data: int = 1, stage: int = 1, fsdp: int = 1, expert: int = 1, 
                 axis_types=(jax.sharding.AxisType.Auto,) * len(AXES))
 
 
+def parse_axes(text: str) -> dict[str, int]:
+    """Mesh axis sizes from a command line: "tensor=2,expert=2" -> {"tensor": 2, "expert": 2}
+    ("" -> {}). A ValueError names an unknown axis or a size that is not a positive int."""
+    sizes = {}
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        name, eq, value = item.partition("=")
+        if name not in AXES:
+            raise ValueError(f"mesh {text!r}: unknown axis {name!r}; axes are {', '.join(AXES)}")
+        if not eq or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"mesh {text!r}: {item!r} must be AXIS=SIZE with a positive size, e.g. tensor=2")
+        sizes[name] = int(value)
+    return sizes
+
+
 def rules_from(pairs: Iterable[Sequence]) -> Rules:
     """Normalises rules read from config (lists from ml-collections become tuples)."""
     out = []

@@ -15,7 +15,10 @@ stream frees its slot at the next step. `HealthCheck` answers is_live once the d
 
 Flags: --checkpoint (HF-format directory), --host, --port, --slots, --max-len,
 --num-draft and --mtp-mode (MTP speculation), --temperature, --top-k, --stop-ids,
---prefix-cache, --dtype, --warmup, --metrics-port, --auth-token, --insecure. A bad value
+--prefix-cache, --dtype, --mesh, --warmup, --metrics-port, --auth-token, --insecure. With
+`--mesh tensor=2,expert=2` the checkpoint loads sharded onto that many devices and the
+engine decodes on them (experts all-to-all over `expert`, heads and hidden over `tensor`,
+sharding.DECODE_RULES). A bad value
 (a checkpoint directory without config.json or weights, a --max-len past the model's
 positions, a port in use, ...) ends before serving with the usage line and one
 `glmjax-serve: error: ...` naming it, exit status 2.
@@ -51,6 +54,7 @@ import ipaddress
 import itertools
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -355,11 +359,20 @@ def build_driver(args: argparse.Namespace) -> Driver:
     import glmjax
     from rl.engine import GlmEngine
 
-    model = glmjax.from_pretrained(args.checkpoint, dtype=args.dtype)
+    import jax
+
+    from glmjax import sharding
+
+    mesh = None
+    if args.mesh:  # the serving layout: experts over `expert`, heads / hidden / vocabulary over `tensor`
+        mesh = glmjax.make_mesh(**args.mesh, devices=jax.devices()[:math.prod(args.mesh.values())])
+    with sharding.use_rules(sharding.DECODE_RULES):
+        model = glmjax.from_pretrained(args.checkpoint, dtype=args.dtype, mesh=mesh)
     if args.num_draft and model.mtp is None:
         log.warning("--num-draft %d is ignored: %s has no MTP layer", args.num_draft, args.checkpoint)
     engine = GlmEngine(model, max_concurrent_decodes=args.slots, max_len=args.max_len,
-                       num_draft=args.num_draft if model.mtp is not None else 0, mtp_mode=args.mtp_mode)
+                       num_draft=args.num_draft if model.mtp is not None else 0, mtp_mode=args.mtp_mode, mesh=mesh,
+                       rules=sharding.DECODE_RULES)
     if args.warmup:
         engine.warmup()
     return Driver(engine, prefix_cache_size=args.prefix_cache)
@@ -381,6 +394,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-ids", default="", help="comma-separated token ids that end a response")
     p.add_argument("--prefix-cache", type=int, default=32, help="sessions whose last turn is kept")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--mesh", default="", help="the engine's mesh, e.g. tensor=2,expert=2 (default: one device)")
     p.add_argument("--warmup", action="store_true", help="compile every prefill shape before serving")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics over HTTP on this port (0: a free one)")
@@ -441,7 +455,24 @@ def _check_args(args: argparse.Namespace) -> None:
     for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
         if port is not None and not 0 <= port <= 65535:
             raise ValueError(f"{flag} {port} must be in [0, 65535]")
+    args.mesh = _check_mesh(args.mesh)
     check_access(args.host, args.auth_token, args.insecure)
+
+
+def _check_mesh(text: str) -> dict[str, int]:
+    """--mesh as axis sizes, on no more devices than this process sees."""
+    import jax
+
+    from glmjax import sharding
+
+    try:
+        sizes = sharding.parse_axes(text)
+    except ValueError as err:
+        raise ValueError(f"--mesh: {err}") from None
+    needed, available = math.prod(sizes.values()), len(jax.devices())
+    if needed > available:
+        raise ValueError(f"--mesh {text} needs {needed} devices, {available} are available")
+    return sizes
 
 
 def main(argv=None) -> None:

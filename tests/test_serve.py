@@ -223,6 +223,9 @@ def _checkpoint_variant(tmp_path, source, kind):
     ("good", ["--port", "busy"], "cannot listen on 127.0.0.1:{busy}: Address already in use"),
     ("good", ["--port", "0", "--metrics-port", "busy"], "cannot listen on 127.0.0.1:{busy}: Address already in use"),
     ("truncated_weights", ["--port", "0"], "--checkpoint {path}: Error while deserializing header"),
+    ("good", ["--mesh", "expert=2,experts=2"], "--mesh: mesh 'expert=2,experts=2': unknown axis 'experts'"),
+    ("good", ["--mesh", "tensor=0"], "--mesh: mesh 'tensor=0': 'tensor=0' must be AXIS=SIZE with a positive size"),
+    ("good", ["--mesh", "expert=4,tensor=4"], "--mesh expert=4,tensor=4 needs 16 devices, 8 are available"),
 ])
 def test_bad_command_lines_are_one_line_errors(server, tmp_path, capsys, kind, extra, message):
     if kind == "missing":
@@ -247,3 +250,22 @@ def test_max_len_defaults_to_the_checkpoint_positions_when_fewer(server):
     """TINY has max_position_embeddings 256 < 2048: without --max-len the server starts with 256."""
     assert TINY.max_position_embeddings < serve.DEFAULT_MAX_LEN
     assert serve.parse_args(["--checkpoint", str(server.path)]).max_len == TINY.max_position_embeddings
+
+
+def test_a_mesh_server_streams_the_one_device_greedy_tokens(server):
+    """--mesh expert=2,tensor=2: the checkpoint loads split over 4 devices (experts over
+    `expert`) and the gRPC stream carries the same greedy tokens."""
+    args = serve.parse_args(["--checkpoint", str(server.path), "--port", "0", "--slots", "2", "--max-len",
+                             str(MAX_LEN), "--mesh", "expert=2,tensor=2"])
+    driver = serve.build_driver(args)
+    srv = serve.start_server(driver, args.host, args.port)
+    client = serve.Client(f"127.0.0.1:{srv.port}")
+    try:
+        gate = driver.engine.weights.latest().state["layers"][1]["mlp"]["experts"]["gate"][...]
+        assert gate.sharding.spec[0] == "expert" and len(gate.sharding.device_set) == 4
+        for p in prompts([6, 11], seed=8):
+            assert _tokens(client.decode(p, max_tokens=5, timeout=300)) == greedy_reference(server.model, p, 5)
+    finally:
+        client.close()
+        srv.stop(grace=None)
+        driver.stop()
