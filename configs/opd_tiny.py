@@ -22,6 +22,7 @@ import os
 
 import ml_collections
 
+from glmjax import distributed
 from glmjax.presets import load_config
 
 
@@ -44,4 +45,8 @@ def get_config(arg=None):
         rounds=80, batches_per_round=4, epochs=3, batch_size=32, slots=64, temperature=0.5, kl_coef=0.0,
         outcome_weight=0.0, distribution="full", topk=16, beta=0.0, dist_weight=1.0, eps_low=0.2, eps_high=4.0,
         actor_lr=1e-3, warmup=10, grad_clip=1.0, prefetch=True))
+    # where the job runs (glmjax/distributed.py): --config.mesh.fsdp=4, --config.rules.embed=fsdp, ...
+    config.mesh = distributed.mesh_section()
+    config.rules = distributed.rules_section()
+    config.distributed = distributed.distributed_section()
     return config

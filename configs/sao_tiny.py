@@ -20,6 +20,7 @@ import os
 
 import ml_collections
 
+from glmjax import distributed
 from glmjax.presets import load_config
 
 
@@ -51,10 +52,17 @@ def get_config(arg=None):
         # reward by task complexity (envs/reward.py): "none", "difficulty" or "pass_rate"
         reward_shaping="none", reward_alpha=0.5,
         # every N steps, greedy and sampled pass rates on tasks neither trained on nor held out (0: off)
-        validate_every=0, validate_tasks=64))
+        validate_every=0, validate_tasks=64,
+        # with config.mesh: the engine in the learner's layout ("learner": publishing is a
+        # reference swap) or the serving one ("decode": publishing reshards inside XLA)
+        engine_rules="learner"))
     # Prioritized replay (rl/replay.py: BatchReplay): `rows` stored rows beside each batch's fresh ones
     config.rl.replay = ml_collections.ConfigDict(dict(enabled=False, capacity=1024, rows=16, alpha=0.6, beta=0.4))
     # Trajectories longer than the window: summarise and continue (rl/compaction.py);
     # configs/compaction_tiny.py turns it on for answers that outgrow the context.
     config.rl.compaction = ml_collections.ConfigDict(dict(enabled=False, summary_tokens=6, max_segments=4))
+    # where the job runs (glmjax/distributed.py): --config.mesh.fsdp=4, --config.rules.embed=fsdp, ...
+    config.mesh = distributed.mesh_section()
+    config.rules = distributed.rules_section()
+    config.distributed = distributed.distributed_section()
     return config

@@ -7,6 +7,7 @@ The scripts in benchmarks/ measure it; it also trains:
 
 import ml_collections
 
+from glmjax import distributed
 from glmjax.presets import model_config_dict
 
 
@@ -42,4 +43,8 @@ def get_config(arg=None):
         max_position_embeddings=4096,
         rope_parameters={"rope_theta": 10000.0, "rope_type": "default"},
     )
+    # where the job runs (glmjax/distributed.py): --config.mesh.fsdp=4, --config.rules.embed=fsdp, ...
+    config.mesh = distributed.mesh_section()
+    config.rules = distributed.rules_section()
+    config.distributed = distributed.distributed_section()
     return config

@@ -11,6 +11,7 @@ that trains in seconds on a laptop CPU. The model for tests, examples and the qu
 
 import ml_collections
 
+from glmjax import distributed
 from glmjax.presets import model_config_dict
 
 
@@ -55,4 +56,8 @@ def get_config(arg=None):
         mtp_loss_weight=0.3,
         seed=0,
     ))
+    # where the job runs (glmjax/distributed.py): --config.mesh.fsdp=4, --config.rules.embed=fsdp, ...
+    config.mesh = distributed.mesh_section()
+    config.rules = distributed.rules_section()
+    config.distributed = distributed.distributed_section()
     return config

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 import glmjax
-from glmjax import presets, train
+from glmjax import distributed, presets, sharding, train
 
 EVAL_SEQUENCES = 64
 PROMPTS, PROMPT_LEN, NEW_TOKENS = 4, 8, 32
@@ -84,13 +84,24 @@ def train_main(argv=None) -> dict:
 
 
 def check_config(cfg) -> None:
-    """Raises ValueError when the config has no `train` section."""
+    """Raises ValueError when the config has no `train` section, or a mesh or rule it cannot use."""
     if "train" not in cfg:
         raise ValueError("the config has no `train` section (steps, batch_size, seq_len, ...)")
+    distributed.check_job(cfg)
 
 
 def run(cfg, workdir: str) -> dict:
-    """Trains the config's model on the synthetic corpus; returns the summary."""
+    """Trains the config's model on the synthetic corpus; returns the summary. With
+    `config.mesh` (glmjax/distributed.py) the model is created sharded by the rules and
+    every batch is a global array split by rows over the batch axes."""
+    mesh, rules = distributed.job_mesh(cfg)
+    if mesh is None:
+        return _run(cfg, workdir, None)
+    with sharding.use_mesh(mesh, rules):
+        return _run(cfg, workdir, mesh)
+
+
+def _run(cfg, workdir: str, mesh) -> dict:
     model_cfg, tc = presets.model_config_from(cfg), cfg.train
     stage = tc.get("indexer_stage", "sparse")
     workdir = pathlib.Path(workdir)
@@ -99,20 +110,24 @@ def run(cfg, workdir: str) -> dict:
     corpus = train.synthetic_corpus(model_cfg.vocab_size, tc.seq_len, tc.steps * tc.batch_size + EVAL_SEQUENCES,
                                     tc.seed)
     held_out = corpus.tokens[-EVAL_SEQUENCES:]
-    eval_batch = {"input_ids": jnp.asarray(held_out), "loss_mask": jnp.ones(held_out.shape, jnp.float32)}
+    eval_batch = distributed.global_batch(
+        {"input_ids": jnp.asarray(held_out), "loss_mask": jnp.ones(held_out.shape, jnp.float32)}, mesh)
+    where = (f"mesh {', '.join(f'{a}={n}' for a, n in mesh.shape.items() if n > 1)} of {mesh.size} "
+             f"{jax.devices()[0].platform} devices" if mesh is not None else jax.devices()[0].platform)
     print(f"{model_cfg.num_hidden_layers} layers, hidden {model_cfg.hidden_size}, "
-          f"{glmjax.count_params(model_cfg):,} parameters; {jax.devices()[0].platform}")
+          f"{glmjax.count_params(model_cfg):,} parameters; {where}")
     print(f"corpus: chance loss ln({model_cfg.vocab_size}) = {math.log(model_cfg.vocab_size):.3f}, "
           f"floor {corpus.entropy:.3f}")
 
-    model = glmjax.init_model(model_cfg, tc.seed)
+    model = glmjax.init_model(model_cfg, tc.seed, mesh=mesh)
     optimizer = train.make_optimizer(tc, model, trainable=train.TRAINABLE[stage])
     kw = dict(mtp_weight=tc.mtp_loss_weight, indexer_stage=stage)
     initial = float(train.eval_step(model, eval_batch, **kw)["lm_loss"])
     print(f"held-out LM loss before: {initial:.3f}")
     start = time.perf_counter()
-    history = train.fit(model, optimizer, train.batches(corpus.tokens[:-EVAL_SEQUENCES], tc.batch_size, tc.seed),
-                        tc.steps, desc=f"train ({stage or 'dense'})", **kw)
+    stream = (distributed.global_batch(b, mesh) for b in
+              train.batches(corpus.tokens[:-EVAL_SEQUENCES], tc.batch_size, tc.seed))
+    history = train.fit(model, optimizer, stream, tc.steps, desc=f"train ({stage or 'dense'})", **kw)
     wall = time.perf_counter() - start
     final = float(train.eval_step(model, eval_batch, **kw)["lm_loss"])
     print(f"held-out LM loss after {tc.steps} steps: {final:.3f} (train loss {history[0]:.3f} -> "

@@ -28,3 +28,116 @@ def global_array(host_data: np.ndarray, sharding: jax.sharding.Sharding) -> jax.
     """A global array from data every process holds in full (e.g. a seeded batch): each
     process places only the shards its devices own."""
     return jax.make_array_from_callback(host_data.shape, sharding, lambda index: host_data[index])
+
+
+# A job's devices, from its config ----------------------------------------------------
+# Every job config (configs/*.py) has three sections, overridable from the command line:
+#   config.mesh         axis sizes, e.g. --config.mesh.fsdp=4 --config.mesh.expert=2 (all 1: one device)
+#   config.rules        a mesh-axis target per logical axis, e.g. --config.rules.embed=fsdp
+#                       ("a,b" for several axes, "" for replicated)
+#   config.distributed  coordinator, num_processes, process_id (a multi-process run; on TPU
+#                       pods and SLURM, num_processes=-1 lets jax.distributed detect them)
+
+
+def mesh_section(**sizes: int):
+    """`config.mesh`: every axis of glmjax.sharding.AXES, size 1 unless given."""
+    import ml_collections
+
+    from glmjax import sharding
+
+    unknown = set(sizes) - set(sharding.AXES)
+    if unknown:
+        raise ValueError(f"mesh axes {sorted(unknown)} are unknown; axes are {sharding.AXES}")
+    return ml_collections.ConfigDict({axis: int(sizes.get(axis, 1)) for axis in sharding.AXES})
+
+
+def rules_section(rules=None):
+    """`config.rules`: every logical axis of `rules` (default DEFAULT_RULES) as a string."""
+    import ml_collections
+
+    from glmjax import sharding
+
+    spell = lambda t: "" if t is None else t if isinstance(t, str) else ",".join(t)  # noqa: E731
+    return ml_collections.ConfigDict({name: spell(t) for name, t in (rules or sharding.DEFAULT_RULES)})
+
+
+def distributed_section(coordinator: str = "", num_processes: int = 1, process_id: int = 0):
+    """`config.distributed`: one process by default."""
+    import ml_collections
+
+    return ml_collections.ConfigDict(dict(coordinator=coordinator, num_processes=num_processes,
+                                          process_id=process_id))
+
+
+def job_rules(cfg):
+    """The rules of a job config: DEFAULT_RULES with `config.rules`' values."""
+    from glmjax import sharding
+
+    given = dict(cfg.get("rules") or {})
+    unknown = set(given) - {name for name, _ in sharding.DEFAULT_RULES}
+    if unknown:
+        raise ValueError(f"config.rules names {sorted(unknown)}, which are no logical axes; they are "
+                         f"{[name for name, _ in sharding.DEFAULT_RULES]}")
+    parse = lambda text: None if not text else tuple(a.strip() for a in text.split(","))  # noqa: E731
+    return sharding.rules_from((name, parse(given[name]) if name in given else target)
+                               for name, target in sharding.DEFAULT_RULES)
+
+
+def check_job(cfg) -> None:
+    """Raises ValueError naming a `config.rules` entry or a `config.mesh` size that the job
+    cannot use, before any work (in one process, where the devices are known already)."""
+    from glmjax import sharding
+
+    job_rules(cfg)
+    if "mesh" not in cfg:
+        return
+    sizes = {a: int(cfg.mesh.get(a, 1)) for a in sharding.AXES}
+    bad = [f"mesh.{a}={n}" for a, n in sizes.items() if n < 1]
+    if bad:
+        raise ValueError(f"config {', '.join(bad)}: mesh sizes must be >= 1")
+    needed = int(np.prod(list(sizes.values())))
+    if (cfg.get("distributed") or {}).get("num_processes", 1) == 1 and needed > len(jax.devices()):
+        shown = ",".join(f"{a}={n}" for a, n in sizes.items() if n > 1)
+        raise ValueError(f"config.mesh ({shown}) needs {needed} devices; {len(jax.devices())} are available")
+
+
+def job_mesh(cfg):
+    """(mesh, rules) of a job config, after starting the distributed runtime when
+    `config.distributed` asks for several processes. The mesh spans every device of every
+    process, or, in one process, the first devices it needs; None when every size is 1
+    (one device, no sharding)."""
+    from glmjax import sharding
+
+    d = cfg.get("distributed") or {}
+    if d.get("num_processes", 1) != 1 and not jax.distributed.is_initialized():
+        n = d["num_processes"]
+        initialize(d.get("coordinator") or None, None if n < 0 else n,
+                   None if n < 0 else d.get("process_id", 0))
+    rules = job_rules(cfg)
+    sizes = {a: int(cfg.mesh.get(a, 1)) for a in sharding.AXES} if "mesh" in cfg else {}
+    needed = int(np.prod(list(sizes.values()))) if sizes else 1
+    if needed == 1 and jax.process_count() == 1:
+        return None, rules
+    devices = jax.devices()
+    if needed > len(devices) or (jax.process_count() > 1 and needed != len(devices)):
+        shown = ",".join(f"{a}={n}" for a, n in sizes.items() if n > 1) or "1 device"
+        want = f"to {len(devices)}" if jax.process_count() > 1 else f"to at most {len(devices)}"
+        raise ValueError(f"config.mesh ({shown}) needs {needed} devices; {len(devices)} are available over "
+                         f"{jax.process_count()} process(es): set the --config.mesh.<axis> sizes to multiply {want}")
+    return sharding.make_mesh(**sizes, devices=devices[:needed]), rules
+
+
+def batch_sharding(mesh, shape, rules=None) -> jax.sharding.NamedSharding:
+    """Rows over the batch axes (the "batch" rule), every other dimension whole."""
+    from glmjax import sharding
+
+    names = ("batch",) + (None,) * (len(shape) - 1)
+    return jax.sharding.NamedSharding(mesh, sharding.logical_spec(names, shape, mesh=mesh, rules=rules))
+
+
+def global_batch(tree, mesh, rules=None):
+    """Host arrays (every process holds the whole batch) as global arrays split by rows
+    over the batch axes; `tree` itself without a mesh."""
+    if mesh is None:
+        return tree
+    return jax.tree.map(lambda x: global_array(np.asarray(x), batch_sharding(mesh, np.shape(x), rules)), tree)

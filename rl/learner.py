@@ -26,6 +26,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from glmjax import distributed
 from glmjax.model import GlmForCausalLM
 from rl import sao
 
@@ -144,6 +145,7 @@ def _critic_phase(critic, optimizer, batch, weights, alpha, gamma, steps, clippe
 # Dozens of small ops each (GAE scans, rollout sums): one compiled call.
 _grpo_advantages = jax.jit(sao.grpo_advantages)
 _token_weights = jax.jit(sao.rollout_token_weights)
+_masked_mean = jax.jit(lambda x, mask: jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0))
 
 
 class Learner:
@@ -156,9 +158,11 @@ class Learner:
     """
 
     def __init__(self, policy: GlmForCausalLM, critic: ValueModel | None, cfg: Mapping[str, Any], *,
-                 external_advantages: bool = False):
+                 external_advantages: bool = False, mesh: jax.sharding.Mesh | None = None):
         """external_advantages: the caller passes `advantages` to every `step` (on-policy
-        distillation, rl/opd.py), so no value model is needed or trained."""
+        distillation, rl/opd.py), so no value model is needed or trained. mesh: the one the
+        policy and critic are sharded on; each batch (host arrays, the same in every
+        process) becomes global arrays split by rows over its batch axes."""
         if cfg["algorithm"] not in ALGORITHMS:
             raise ValueError(f"rl.algorithm={cfg['algorithm']!r} is invalid: expected one of {ALGORITHMS}")
         needs_critic = cfg["algorithm"] in ("sao", "ppo") and not external_advantages
@@ -175,6 +179,7 @@ class Learner:
                 wrt = nnx.All(wrt, nnx.Not(nnx.PathContains("attn")))
             self.critic_opt = _optimizer(self.critic, cfg["critic_lr"], clip, wrt)
         self.external_advantages = external_advantages
+        self.mesh = mesh
         self._bound = None
         self.steps = 0
         self.skipped = 0
@@ -210,11 +215,13 @@ class Learner:
             self.skipped += 1
             return {"skipped_nonfinite": 1.0}
         cfg, metrics = self.cfg, {}
+        place = jnp.asarray if self.mesh is None else lambda x: distributed.global_batch(x, self.mesh)  # noqa: E731
+        batch = distributed.global_batch(batch, self.mesh)
         weights = _token_weights(batch.action_mask, batch.rollout_id)
         if row_weights is not None:
-            weights = weights * jnp.asarray(row_weights, jnp.float32)[:, None]
+            weights = weights * place(np.asarray(row_weights, np.float32)[:, None])
         if advantages is not None:
-            adv = jnp.asarray(advantages, jnp.float32)
+            adv = place(np.asarray(advantages, np.float32))
         elif self.critic is not None:
             adv, values, aux = self._fns["critic_phase"](
                 batch, weights, alpha=cfg["alpha"], gamma=cfg.get("gamma", 1.0), steps=cfg.get("critic_steps", 2),
@@ -224,7 +231,7 @@ class Learner:
         else:
             if group_ids is None:
                 raise ValueError(f"rl.algorithm={cfg['algorithm']!r} needs group_ids (G rollouts per prompt)")
-            adv = _grpo_advantages(batch.rewards, jnp.asarray(group_ids), batch.action_mask)
+            adv = _grpo_advantages(batch.rewards, place(np.asarray(group_ids)), batch.action_mask)
         self.last_advantages = adv
         warming = self.critic is not None and self.steps < cfg.get("critic_warmup", 0)
         if not warming:
@@ -235,6 +242,6 @@ class Learner:
             metrics["skipped_nonfinite"] = 1.0
         self.steps += 1
         metrics["critic_warmup"] = float(warming)
-        metrics["advantage_mean"] = float(np.sum(np.asarray(adv) * mask) / max(mask.sum(), 1))
+        metrics["advantage_mean"] = float(_masked_mean(adv, batch.action_mask.astype(jnp.float32)))
         return {k: float(v) for k, v in metrics.items()}
 

@@ -36,6 +36,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 import glmjax
+from glmjax import distributed, sharding
 from envs import families
 from rl import opd
 from rl import rollout as ro
@@ -58,25 +59,27 @@ def _demonstrations(t, n: int, seed: int):
     return families.make_tasks(t.family, n, seed=seed, difficulty=t.difficulty)
 
 
-def supervised(model: glmjax.GlmForCausalLM, tasks, sft) -> glmjax.GlmForCausalLM:
+def supervised(model: glmjax.GlmForCausalLM, tasks, sft, mesh=None) -> glmjax.GlmForCausalLM:
     """rl/trainer.py's supervised recipe on the tasks' demonstrations."""
     ids, mask = trainer.demonstrations(tasks, sft.seq_len)
-    return trainer.supervised(model, ids, mask, sft)
+    return trainer.supervised(model, ids, mask, sft, mesh=mesh)
 
 
-def build_student(cfg, workdir: str) -> glmjax.GlmForCausalLM:
-    """The shared base: supervised on every domain's demonstrations, cached in workdir."""
+def build_student(cfg, workdir: str, mesh=None) -> glmjax.GlmForCausalLM:
+    """The shared base: supervised on every domain's demonstrations, cached in workdir;
+    sharded by the ambient rules with a mesh."""
     path = os.path.join(workdir, "student_base")
     if os.path.exists(os.path.join(path, "config.json")):
-        return glmjax.from_pretrained(path)
+        return glmjax.from_pretrained(path, mesh=mesh)
     s = cfg.student
-    model = glmjax.init_model(glmjax.presets.model_config_from(cfg), seed=s.seed)
-    supervised(model, [task for t in cfg.teachers.values() for task in _demonstrations(t, s.demonstrations, s.seed)], s)
+    model = glmjax.init_model(glmjax.presets.model_config_from(cfg), seed=s.seed, mesh=mesh)
+    supervised(model, [task for t in cfg.teachers.values() for task in _demonstrations(t, s.demonstrations, s.seed)], s,
+               mesh)
     glmjax.save_pretrained(model, path)
     return model
 
 
-def build_teachers(cfg, workdir: str, base: glmjax.GlmForCausalLM) -> TeacherRegistry:
+def build_teachers(cfg, workdir: str, base: glmjax.GlmForCausalLM, mesh=None) -> TeacherRegistry:
     """Each specialist: the shared base fine-tuned on its family alone (as MOPD derives its
     teachers from one base), saved as a teacher checkpoint; cached in workdir."""
     specs = []
@@ -85,7 +88,7 @@ def build_teachers(cfg, workdir: str, base: glmjax.GlmForCausalLM) -> TeacherReg
         if not os.path.exists(os.path.join(path, "config.json")):
             sft = ml_collections.ConfigDict(cfg.teacher_sft.to_dict())
             sft.update({k: t[k] for k in ("steps", "demonstrations") if k in t})  # per-family budgets
-            save_teacher(supervised(nnx.clone(base), _demonstrations(t, sft.demonstrations, sft.seed), sft), path)
+            save_teacher(supervised(nnx.clone(base), _demonstrations(t, sft.demonstrations, sft.seed), sft, mesh), path)
         specs.append(TeacherSpec(name, path, (t.family,)))
     return TeacherRegistry(specs)
 
@@ -103,8 +106,8 @@ def mixed_train_tasks(cfg) -> list:
     return [task for group in zip(*per) for task in group]
 
 
-def pass_rates(model, tasks_by_domain, cfg) -> dict[str, float]:
-    driver = Driver(GlmEngine(model, max_concurrent_decodes=cfg.opd.slots, max_len=cfg.task.max_len))
+def pass_rates(model, tasks_by_domain, cfg, mesh=None) -> dict[str, float]:
+    driver = Driver(GlmEngine(model, max_concurrent_decodes=cfg.opd.slots, max_len=cfg.task.max_len, mesh=mesh))
     return {d: trainer.evaluate(driver, tasks, cfg.task.max_new_tokens) for d, tasks in tasks_by_domain.items()}
 
 
@@ -179,6 +182,7 @@ def train_batch(learner: Learner, trajectories, teacher, domain_ids, cfg) -> dic
 def check_config(cfg) -> None:
     """Raises ValueError naming the first field of a distillation config that the job cannot
     run, before any model trains."""
+    distributed.check_job(cfg)
     if cfg.opd.distribution not in (*opd.DISTRIBUTIONS, "sampled"):
         raise ValueError(f"opd.distribution={cfg.opd.distribution!r} is invalid: expected one of "
                          f"{(*opd.DISTRIBUTIONS, 'sampled')}")
@@ -192,19 +196,34 @@ def check_config(cfg) -> None:
 
 
 def run(cfg, workdir: str) -> dict:
+    """The job (module docstring). With `config.mesh` (glmjax/distributed.py) the student,
+    the teachers and the engine are split over it by `config.rules`, in one layout (so
+    publishing stays a reference swap), and learner batches are global arrays."""
     check_config(cfg)
     os.makedirs(workdir, exist_ok=True)
+    mesh, rules = distributed.job_mesh(cfg)
+    if mesh is None:
+        return _run(cfg, workdir, None, None)
+    with sharding.use_mesh(mesh, rules):
+        return _run(cfg, workdir, mesh, rules)
+
+
+def _run(cfg, workdir: str, mesh, rules) -> dict:
     start = time.time()
     o = cfg.opd
-    student = build_student(cfg, workdir)
-    registry = build_teachers(cfg, workdir, student)
+    if mesh is not None:
+        axes = ", ".join(f"{a}={n}" for a, n in mesh.shape.items() if n > 1)
+        print(f"student, teachers and engine on mesh {axes} of {mesh.size} {mesh.devices.flat[0].platform} devices",
+              flush=True)
+    student = build_student(cfg, workdir, mesh)
+    registry = build_teachers(cfg, workdir, student, mesh)
     heldout = heldout_tasks(cfg)
     teacher_rates = {}
-    with TeacherSwitcher(registry, prefetch=False) as loader:
+    with TeacherSwitcher(registry, prefetch=False, device=mesh, rules=rules) as loader:
         for name in sorted(registry.specs):
             (domain,) = registry[name].domains
-            teacher_rates[domain] = pass_rates(loader.activate(name), {domain: heldout[domain]}, cfg)[domain]
-    base_rates = pass_rates(student, heldout, cfg)
+            teacher_rates[domain] = pass_rates(loader.activate(name), {domain: heldout[domain]}, cfg, mesh)[domain]
+    base_rates = pass_rates(student, heldout, cfg, mesh)
     for d in heldout:
         print(f"{d}: teacher {registry.route(d)} {teacher_rates[d]:.1%}, student before OPD {base_rates[d]:.1%}",
               flush=True)
@@ -215,10 +234,11 @@ def run(cfg, workdir: str) -> dict:
     lr = optax.warmup_cosine_decay_schedule(o.actor_lr / 10, o.actor_lr, o.warmup, max(total_steps, o.warmup + 1),
                                             end_value=o.actor_lr / 10)
     learner = Learner(student, None, dict(algorithm="sao", actor_lr=lr, **{k: o[k] for k in (
-        "eps_low", "eps_high", "grad_clip", "temperature")}), external_advantages=True)
+        "eps_low", "eps_high", "grad_clip", "temperature")}), external_advantages=True, mesh=mesh)
     store = WeightStore(nnx.state(student))
-    driver = Driver(GlmEngine(student, weights=store, max_concurrent_decodes=o.slots, max_len=cfg.task.max_len))
-    switcher = TeacherSwitcher(registry, prefetch=o.prefetch)
+    driver = Driver(GlmEngine(student, weights=store, max_concurrent_decodes=o.slots, max_len=cfg.task.max_len,
+                              mesh=mesh, rules=rules))
+    switcher = TeacherSwitcher(registry, prefetch=o.prefetch, device=mesh, rules=rules)
     scorer = Scorer(registry, switcher, driver, cfg)
     stream = trainer.TaskStream(mixed_train_tasks(cfg), seed=cfg.task.seed)
     domains = {d: i for i, d in enumerate(sorted(heldout))}
@@ -250,7 +270,7 @@ def run(cfg, workdir: str) -> dict:
     switcher.close()
 
     glmjax.save_pretrained(student, os.path.join(workdir, "student"))
-    final_rates = pass_rates(student, heldout, cfg)
+    final_rates = pass_rates(student, heldout, cfg, mesh)
     stats = switcher.stats
     summary = {
         "teachers": {name: {"domains": list(spec.domains), "pass_rate": teacher_rates[spec.domains[0]]}

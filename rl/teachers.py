@@ -45,6 +45,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 import glmjax
+from glmjax import sharding
 from glmjax.config import ModelConfig
 from rl.learner import token_logprobs
 
@@ -137,9 +138,17 @@ def load_host(spec: TeacherSpec) -> HostTeacher:
     return HostTeacher(spec.name, config, jax.tree.map(np.asarray, state))
 
 
-def to_device(host: HostTeacher, device=None) -> glmjax.GlmForCausalLM:
-    """The teacher as a model whose arrays are on `device` (default: the first)."""
+def to_device(host: HostTeacher, device=None, rules: sharding.Rules | None = None) -> glmjax.GlmForCausalLM:
+    """The teacher as a model whose arrays are on `device` (default: the first), or, when
+    `device` is a mesh, split over it as `rules` (default DEFAULT_RULES) say: each device
+    receives only its shards."""
     graphdef, state = nnx.split(nnx.eval_shape(lambda: glmjax.init_model(host.config)))
+    if isinstance(device, jax.sharding.Mesh):
+        placement = sharding.param_shardings(state, device, rules or sharding.DEFAULT_RULES)
+        nnx.replace_by_pure_dict(state, host.state)
+        state = jax.device_put(state, placement)
+        jax.block_until_ready(state)
+        return nnx.merge(graphdef, state)
     arrays = jax.device_put(host.state, device or jax.devices()[0])
     jax.block_until_ready(arrays)
     nnx.replace_by_pure_dict(state, arrays)
@@ -201,11 +210,14 @@ class TeacherSwitcher:
     module docstring). Use from one thread; the loader thread is internal."""
 
     def __init__(self, registry: TeacherRegistry, *, prefetch: bool = True, host_capacity: int = 2,
-                 device=None):
+                 device=None, rules: sharding.Rules | None = None):
+        """device: a device, or a mesh over which each teacher is split by `rules` (the
+        loader thread does not see the caller's ambient rules, so they are passed)."""
         if host_capacity < 1:
             raise ValueError(f"host_capacity={host_capacity} is invalid: expected >= 1")
         self.registry, self.prefetch_enabled, self.host_capacity = registry, prefetch, host_capacity
         self.device = device or jax.devices()[0]
+        self.rules = rules
         self.stats = SwitchStats()
         self.active: str | None = None
         self._model: glmjax.GlmForCausalLM | None = None
@@ -237,7 +249,7 @@ class TeacherSwitcher:
 
     def _load(self, name: str) -> glmjax.GlmForCausalLM:
         t0 = time.perf_counter()
-        model = to_device(self._host_copy(name), self.device)
+        model = to_device(self._host_copy(name), self.device, self.rules)
         self.stats.load_seconds += time.perf_counter() - t0
         return model
 

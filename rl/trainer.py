@@ -46,7 +46,7 @@ from envs.base import is_full
 from envs.reward import RewardConfig
 from envs.sandbox import Limits
 from envs.reward import reward as shape
-from glmjax import presets
+from glmjax import distributed, presets, sharding
 from glmjax import train as lm_train
 from rl import rollout as ro
 from rl import tasks as rl_tasks
@@ -102,24 +102,25 @@ def _sft_arrays(rows, seq_len: int):
     return ids, mask
 
 
-def build_base(cfg, workdir: str, demo_tasks=()) -> glmjax.GlmForCausalLM:
+def build_base(cfg, workdir: str, demo_tasks=(), mesh=None) -> glmjax.GlmForCausalLM:
     """The supervised starting point, trained once and cached in workdir/base. A cache
     that does not read (a truncated weight file) is moved aside to base.corrupt, with a
     warning, and the base is trained again: it is the same model for the same config.
     An agentic base learns from oracle episodes of generated tasks (`base.demonstrations`
     of them, seed `base.seed`), or of `demo_tasks` (the training tasks) from a Harbor dir;
-    a demonstration that its verifier does not reward stops the job, naming the task."""
+    a demonstration that its verifier does not reward stops the job, naming the task.
+    With a mesh the model is created (or loaded) sharded by the ambient rules."""
     path = os.path.join(workdir, "base")
     if os.path.exists(os.path.join(path, "config.json")):
         log.info("loading the cached base model from %s", path)
         try:
-            return glmjax.from_pretrained(path)
+            return glmjax.from_pretrained(path, mesh=mesh)
         except (OSError, ValueError, SafetensorError) as err:
             aside = set_aside(path)
             log.warning("the cached base model in %s does not read (%s: %s); it is moved to %s and trained again",
                         path, type(err).__name__, " ".join(str(err).split())[:300], aside)
     model_cfg = presets.model_config_from(cfg)
-    model = glmjax.init_model(model_cfg, seed=cfg.base.seed)
+    model = glmjax.init_model(model_cfg, seed=cfg.base.seed, mesh=mesh)
     if rl_tasks.agentic(cfg):
         if cfg.task.get("harbor_dir"):  # a directory's tasks are what there is to demonstrate
             demo_tasks = list(demo_tasks)[:cfg.base.demonstrations]
@@ -131,24 +132,25 @@ def build_base(cfg, workdir: str, demo_tasks=()) -> glmjax.GlmForCausalLM:
         tasks = families.make_tasks(cfg.task.family, cfg.base.demonstrations, seed=cfg.base.seed,
                                     difficulty=cfg.task.difficulty)
         ids, mask = demonstrations(tasks, cfg.base.seq_len, _compaction(cfg))
-    supervised(model, ids, mask, cfg.base, desc="base model (SFT)")
+    supervised(model, ids, mask, cfg.base, desc="base model (SFT)", mesh=mesh)
     glmjax.save_pretrained(model, path)
     return model
 
 
-def supervised(model: glmjax.GlmForCausalLM, ids, mask, sft, desc: str = "SFT") -> glmjax.GlmForCausalLM:
+def supervised(model: glmjax.GlmForCausalLM, ids, mask, sft, desc: str = "SFT", mesh=None) -> glmjax.GlmForCausalLM:
     """`sft.steps` supervised steps on demonstration arrays (ids, loss mask [n, T]), batches
     drawn with `sft.seed`. DSA's sparse stage (glmjax/train.py) by default: the lightning
     indexer learns, from the attention it serves, which keys to keep; a model whose top-k
     is smaller than its context and whose indexer stayed at its init would attend to an
-    arbitrary subset of keys. `sft.indexer_stage` None trains the LM losses only."""
+    arbitrary subset of keys. `sft.indexer_stage` None trains the LM losses only. With a
+    mesh each batch is a global array split over the batch axes."""
     stage = sft.get("indexer_stage", "sparse")
     opt = lm_train.make_optimizer(dict(sft), model, trainable=lm_train.TRAINABLE[stage])
     rng = np.random.default_rng(sft.seed)
     for _ in tqdm(range(sft.steps), desc=desc, mininterval=1.0):
         idx = rng.integers(0, len(ids), sft.batch_size)
-        lm_train.train_step(model, opt, {"input_ids": ids[idx], "loss_mask": mask[idx]}, mtp_weight=sft.mtp_weight,
-                            indexer_stage=stage)
+        batch = distributed.global_batch({"input_ids": ids[idx], "loss_mask": mask[idx]}, mesh)
+        lm_train.train_step(model, opt, batch, mtp_weight=sft.mtp_weight, indexer_stage=stage)
     return model
 
 
@@ -280,6 +282,9 @@ def check_config(cfg) -> None:
         raise ValueError(f"rl.slots={rl.slots} is invalid: expected >= 1")
     RewardConfig(shaping=rl.get("reward_shaping", "none"), alpha=rl.get("reward_alpha", 0.5))  # names a bad value
     _compaction(cfg)  # Compaction validates its own fields
+    if rl.get("engine_rules", "learner") not in ENGINE_RULES:
+        raise ValueError(f"rl.engine_rules={rl.engine_rules!r} is invalid: expected one of {sorted(ENGINE_RULES)}")
+    distributed.check_job(cfg)
 
 
 class _Log:
@@ -353,18 +358,55 @@ def _learn(learner: Learner, batch, cfg, rows: int, replay: BatchReplay | None) 
 def run(cfg, workdir: str, make_rollout=None) -> dict:
     """The job (module docstring). `make_rollout(task, rollout_id)` -> a rollout
     (rl/rollout.py) replaces the default (rl/tasks.py: the task's prompt or episode, the
-    config's sampling), e.g. for benchmarks that fix the generation lengths."""
+    config's sampling), e.g. for benchmarks that fix the generation lengths.
+
+    With `config.mesh` (glmjax/distributed.py) policy and critic are created or loaded
+    sharded by `config.rules`, learner batches are global arrays, and the engine decodes on
+    the same devices: in the learner's layout (`rl.engine_rules="learner"`: publishing is a
+    reference swap) or in the serving one ("decode": sharding.DECODE_RULES, publishing
+    reshards inside XLA)."""
     check_config(cfg)
     os.makedirs(workdir, exist_ok=True)
+    mesh, rules = distributed.job_mesh(cfg)
+    if mesh is None:
+        return _run(cfg, workdir, make_rollout, None)
+    with sharding.use_mesh(mesh, rules):
+        return _run(cfg, workdir, make_rollout, mesh)
+
+
+# The engine's layout on the learner's mesh: the learner's own rules, or the serving ones.
+ENGINE_RULES = {"learner": None, "decode": sharding.DECODE_RULES}
+
+
+def _engine(cfg, policy, mesh) -> GlmEngine:
+    """The rollout engine and its WeightStore, in the layout `rl.engine_rules` names."""
+    rl = cfg.rl
+    if mesh is None:
+        return GlmEngine(policy, weights=WeightStore(nnx.state(policy)), max_concurrent_decodes=rl.slots,
+                         max_len=cfg.task.max_len)
+    rules = ENGINE_RULES[rl.get("engine_rules", "learner")] or sharding.current_rules()
+    state = nnx.state(policy)
+    store = WeightStore(state, shardings=sharding.param_shardings(state, mesh, rules))
+    return GlmEngine(policy, weights=store, max_concurrent_decodes=rl.slots, max_len=cfg.task.max_len, mesh=mesh,
+                     rules=rules)
+
+
+def _run(cfg, workdir: str, make_rollout, mesh) -> dict:
     start = time.time()
     rl = cfg.rl
     train_tasks, heldout, excluded = rl_tasks.task_sets(cfg, workdir)
     validation = rl_tasks.validation_tasks(cfg, train_tasks, heldout)
-    policy = build_base(cfg, workdir, demo_tasks=train_tasks)
+    policy = build_base(cfg, workdir, demo_tasks=train_tasks, mesh=mesh)
     critic = ValueModel(nnx.clone(policy)) if rl.algorithm in ("sao", "ppo") else None
-    learner = Learner(policy, critic, dict(rl))
-    store = WeightStore(nnx.state(policy))
-    engine = GlmEngine(policy, weights=store, max_concurrent_decodes=rl.slots, max_len=cfg.task.max_len)
+    if critic is not None and mesh is not None:  # its head, made on one device, joins the mesh
+        critic = sharding.shard_model(critic, mesh)
+    learner = Learner(policy, critic, dict(rl), mesh=mesh)
+    engine = _engine(cfg, policy, mesh)
+    store = engine.weights
+    if mesh is not None:
+        axes = ", ".join(f"{a}={n}" for a, n in mesh.shape.items() if n > 1)
+        print(f"policy and critic on mesh {axes} of {mesh.size} {mesh.devices.flat[0].platform} devices; "
+              f"the engine in the {rl.get('engine_rules', 'learner')} layout", flush=True)
     driver = Driver(engine)
     compaction = _compaction(cfg)
     warmup_start = time.time()  # every prefill shape now, so that no rollout waits for a compile mid-run

@@ -58,6 +58,10 @@ def _error(capsys, argv, main=cli.main) -> str:
                                          "model.max_position_embeddings=64"),
     (SAO, ["--config.rl.compaction.enabled=True", "--config.rl.compaction.summary_tokens=1"],
      f"--config {SAO}: compaction needs summary_tokens >= 2"),
+    (SAO, ["--config.mesh.fsdp=4", "--config.mesh.tensor=4"],
+     f"--config {SAO}: config.mesh (fsdp=4,tensor=4) needs 16 devices; 8 are available"),
+    (SAO, ["--config.rules.embed=fsdp,experts"],
+     f"--config {SAO}: sharding rule 'embed' -> ('fsdp', 'experts'): unknown mesh axis 'experts'"),
     (OPD, ["--config.opd.distribution=kl"], f"--config {OPD}: opd.distribution='kl' is invalid: expected one of "
                                             "('topk', 'full', 'sampled')"),
 ])

@@ -4,6 +4,7 @@ import gc
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import threading
@@ -283,13 +284,34 @@ SMALL = ["--config.teachers.sorter.steps=4", "--config.teachers.speller.steps=4"
          "--config.opd.batch_size=4", "--config.opd.slots=8"]
 
 
-def test_opd_job_end_to_end(tmp_path):
+def _opd_job(workdir, *extra):
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=str(REPO / ".jax_cache"),
                PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "rl.cli", "--config", str(REPO / "configs" / "opd_tiny.py"), "--workdir",
-           str(tmp_path), *SMALL]
+           str(workdir), *SMALL, *extra]
     out = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_device_job(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("opd")
+    return workdir, _opd_job(workdir)
+
+
+@pytest.mark.parametrize("mesh", [False, True], ids=["one-device", "mesh"])
+def test_opd_job_end_to_end(tmp_path, one_device_job, mesh):
+    """The job on one device, and on fsdp=2 x expert=2 of the 8 fake devices from the same
+    cached student base and teachers (loaded split over the mesh, as are the engine and
+    the learner's batches)."""
+    if mesh:
+        for cached in ("student_base", "teachers"):
+            shutil.copytree(one_device_job[0] / cached, tmp_path / cached)
+        out = _opd_job(tmp_path, "--config.mesh.fsdp=2", "--config.mesh.expert=2")
+        assert "student, teachers and engine on mesh fsdp=2, expert=2 of 4 cpu devices" in out.stdout
+    else:
+        tmp_path, out = one_device_job
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["steps"] == 4 and summary["rollouts"] == 16
     assert set(summary["student_pass_rate"]) == {"sorting", "strings"}

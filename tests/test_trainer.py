@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import jax
+import pytest
 from flax import nnx
 
 import glmjax
@@ -74,9 +75,16 @@ def _assert_indexer_trained(path):
     assert jax.tree.leaves(moved) and all(jax.tree.leaves(moved)), moved
 
 
-def test_killed_run_resumes_with_the_same_next_steps_past_a_corrupt_checkpoint(tmp_path):
-    a, b = tmp_path / "a", tmp_path / "b"
+@pytest.fixture(scope="module")
+def uninterrupted_run(tmp_path_factory):
+    """The SMALL job run once, uninterrupted, on one device: its workdir."""
+    a = tmp_path_factory.mktemp("uninterrupted")
     subprocess.run(_cmd(a), check=True, env=_env(), cwd=REPO, capture_output=True, timeout=900)
+    return a
+
+
+def test_killed_run_resumes_with_the_same_next_steps_past_a_corrupt_checkpoint(tmp_path, uninterrupted_run):
+    a, b = uninterrupted_run, tmp_path / "b"
     uninterrupted = _metrics(a)
     assert sorted(uninterrupted) == [1, 2, 3, 4]
     whole = json.loads((a / "summary.json").read_text())
@@ -162,3 +170,24 @@ def test_a_killed_agentic_run_resumes(tmp_path):
     assert matrix["tasks"] == 4 and set(matrix["pass_at_k"]) == {"pass@1", "pass@2"}
     low, high = matrix["pass_at_k"]["pass@2"]["ci95"]
     assert low <= matrix["pass_at_k"]["pass@2"]["value"] <= high
+
+
+def test_the_job_on_a_mesh_trains_as_on_one_device(tmp_path, uninterrupted_run):
+    """--config.mesh.fsdp=4 --config.mesh.expert=2 (8 fake devices; the base's SFT, the
+    learner and the engine sharded), the engine in the serving layout (publishing reshards
+    every step): the same tasks, rewards and losses, step by step, as the one-device run."""
+    mesh = tmp_path / "mesh"
+    done = subprocess.run(_cmd(mesh, "--config.mesh.fsdp=4", "--config.mesh.expert=2",
+                               "--config.rl.engine_rules=decode"), env=_env(), cwd=REPO, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "on mesh fsdp=4, expert=2 of 8 cpu devices; the engine in the decode layout" in done.stdout
+    got, expected = _metrics(mesh), _metrics(uninterrupted_run)
+    assert sorted(got) == sorted(expected) == [1, 2, 3, 4]
+    for step in expected:
+        for key in DETERMINISTIC:
+            x, y = got[step][key], expected[step][key]
+            if isinstance(x, float):
+                assert abs(x - y) <= 1e-4 * max(1.0, abs(y)), (step, key, x, y)
+            else:
+                assert x == y, (step, key)
