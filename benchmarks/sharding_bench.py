@@ -9,6 +9,12 @@ between meshes show the cost of each layout's collectives. The MoE share is the 
 the expert layers alone (routing, exchange, grouped matmuls, forward + backward) over the
 whole step's, both under the same mesh.
 
+rl: one synchronous SAO step of the tiny model (configs/tiny.py) under several meshes:
+RL_BATCH prompts generated to RL_NEW tokens through the engine on the mesh, the learner's
+critic phase and actor step on the batch as global arrays, and the publish into the
+engine's layout; seconds of each part, median of the repeats, the arms interleaved
+repeat by repeat with each arm's CPU time over its wall time.
+
 publish: milliseconds of `WeightStore.publish` (rl/weights.py) for configs/tiny.py and
 configs/small.py, until the published arrays are ready, median of PUBLISH_REPEATS: into
 the learner's own layout (fsdp=8, a reference swap), into another layout on the same
@@ -19,6 +25,7 @@ expert=2 x tensor=2 on 4-7).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
@@ -31,6 +38,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
@@ -40,6 +48,10 @@ sys.path.insert(0, str(REPO))
 import glmjax  # noqa: E402
 from glmjax import presets, sharding  # noqa: E402
 from glmjax.layers.moe import MoE  # noqa: E402
+from rl import sao  # noqa: E402
+from rl.driver import Driver, Request  # noqa: E402
+from rl.engine import GlmEngine  # noqa: E402
+from rl.learner import Learner, ValueModel  # noqa: E402
 from rl.weights import WeightStore  # noqa: E402
 
 MESHES = {
@@ -51,6 +63,17 @@ MESHES = {
     "sequence4-tensor2": dict(sequence=4, tensor=2),
     "tensor8": dict(tensor=8),
 }
+# (learner mesh, engine rules): None = one device; "decode" = sharding.DECODE_RULES
+RL_MESHES = {
+    "one_device": (None, None),
+    "fsdp8": (dict(fsdp=8), None),
+    "fsdp4-expert2": (dict(fsdp=4, expert=2), None),
+    "fsdp4-expert2_engine_decode": (dict(fsdp=4, expert=2), "decode"),
+    "expert4-tensor2": (dict(expert=4, tensor=2), None),
+}
+RL_BATCH, RL_PROMPT, RL_NEW = 16, 16, 16
+RL_CFG = dict(algorithm="sao", eps_low=0.2, eps_high=4.0, alpha=1.5, gamma=1.0, actor_lr=1e-4, critic_lr=1e-3,
+              critic_steps=2, critic_warmup=0, grad_clip=1.0, temperature=1.0)
 PUBLISH_CONFIGS = ("tiny", "small")
 PUBLISH_REPEATS = 10
 
@@ -126,13 +149,93 @@ def bench_publish(config, repeats):
     return out
 
 
+class RLArm:
+    """Policy, critic, learner and engine of one RL_MESHES entry, built once."""
+
+    def __init__(self, config, sizes, engine_rules):
+        self.mesh = glmjax.make_mesh(**sizes) if sizes else None
+        rules = sharding.DECODE_RULES if engine_rules == "decode" else sharding.DEFAULT_RULES
+        with self.context():
+            self.policy = glmjax.init_model(config, seed=0, mesh=self.mesh)
+            critic = ValueModel(nnx.clone(self.policy))
+            if self.mesh is not None:
+                critic = sharding.shard_model(critic, self.mesh)
+            self.learner = Learner(self.policy, critic, RL_CFG, mesh=self.mesh)
+            state = nnx.state(self.policy)
+            shardings = None if self.mesh is None else sharding.param_shardings(state, self.mesh, rules)
+            self.store = WeightStore(state, shardings=shardings)
+            self.engine = GlmEngine(self.policy, weights=self.store, max_concurrent_decodes=RL_BATCH,
+                                    max_len=RL_PROMPT + RL_NEW + 1, prefill_buckets=(RL_PROMPT,), mesh=self.mesh,
+                                    rules=None if self.mesh is None else rules)
+            self.driver = Driver(self.engine)
+        self.rng = np.random.default_rng(0)
+
+    def context(self):
+        return sharding.use_mesh(self.mesh) if self.mesh is not None else contextlib.nullcontext()
+
+    def step(self) -> dict:
+        """One synchronous step: generate, learn, publish. Seconds of each and CPU/wall."""
+        vocab = self.policy.config.vocab_size
+        cpu0, t0 = time.process_time(), time.perf_counter()
+        with self.context():
+            prompts = [[int(t) for t in self.rng.integers(0, vocab, RL_PROMPT)] for _ in range(RL_BATCH)]
+            handles = [self.driver.submit(Request(p, RL_NEW, temperature=1.0, seed=int(self.rng.integers(1 << 30))))
+                       for p in prompts]
+            self.driver.run_until_idle()
+            results = [h.result(timeout=0) for h in handles]
+            t1 = time.perf_counter()
+            batch = _batch(prompts, results, self.rng)
+            self.learner.step(batch)
+            t2 = time.perf_counter()
+            jax.block_until_ready(self.store.latest().state)
+            self.store.publish(nnx.state(self.policy))
+            jax.block_until_ready(self.store.latest().state)
+        t3 = time.perf_counter()
+        return {"generate_s": t1 - t0, "learner_s": t2 - t1, "publish_s": t3 - t2, "step_s": t3 - t0,
+                "cpu_over_wall": (time.process_time() - cpu0) / (t3 - t0)}
+
+
+def _batch(prompts, results, rng) -> sao.Batch:
+    """The generated rows as a learner batch, with random outcomes."""
+    n, t = len(results), RL_PROMPT + RL_NEW
+    tokens, mask, logp = np.zeros((n, t), np.int32), np.zeros((n, t), np.float32), np.zeros((n, t), np.float32)
+    for i, (p, r) in enumerate(zip(prompts, results)):
+        k = len(r.tokens)
+        tokens[i, :RL_PROMPT + k] = list(p) + list(r.tokens)
+        mask[i, RL_PROMPT:RL_PROMPT + k] = 1
+        logp[i, RL_PROMPT:RL_PROMPT + k] = r.log_probs
+    return sao.Batch(tokens=tokens, action_mask=mask, logp_rollout=logp, versions=np.zeros((n, t), np.int32),
+                     rewards=rng.integers(0, 2, n).astype(np.float32), values=np.zeros((n, t), np.float32),
+                     rollout_id=np.arange(n), segment_index=np.zeros(n, np.int32))
+
+
+def bench_rl(repeats) -> dict:
+    config = presets.model_config_from(presets.load_config(str(REPO / "configs" / "tiny.py"))).replace(
+        num_nextn_predict_layers=0)
+    arms = {name: RLArm(config, sizes, rules) for name, (sizes, rules) in RL_MESHES.items()}
+    runs = {name: [] for name in arms}
+    for name, arm in arms.items():  # compile every shape first
+        arm.step()
+    for _ in range(repeats):  # interleaved repeat by repeat
+        for name, arm in arms.items():
+            runs[name].append(arm.step())
+    out = {}
+    for name, rows in runs.items():
+        out[name] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        out[name]["mesh"], out[name]["engine_rules"] = RL_MESHES[name][0] or {}, RL_MESHES[name][1] or "learner"
+    base = out["one_device"]["step_s"]
+    for r in out.values():
+        r["relative_step_time"] = r["step_s"] / base
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--parts", nargs="+", choices=("meshes", "publish"), default=("meshes", "publish"))
+    ap.add_argument("--parts", nargs="+", choices=("meshes", "rl", "publish"), default=("meshes", "rl", "publish"))
     args = ap.parse_args(argv)
     load = lambda name: presets.model_config_from(  # noqa: E731
         presets.load_config(str(REPO / "configs" / f"{name}.py"))).replace(num_nextn_predict_layers=0)
@@ -148,6 +251,13 @@ def main(argv=None):
         base = results["meshes"]["data8"]["step_s"]
         for r in results["meshes"].values():
             r["relative_step_time"] = r["step_s"] / base
+    if "rl" in args.parts:
+        results["rl_step"] = {"config": "configs/tiny.py", "batch": RL_BATCH, "prompt": RL_PROMPT,
+                              "new_tokens": RL_NEW, "arms": bench_rl(args.repeats)}
+        for name, r in results["rl_step"]["arms"].items():
+            print(f"rl {name:28s} step {r['step_s'] * 1e3:8.1f} ms (generate {r['generate_s'] * 1e3:.1f}, learner "
+                  f"{r['learner_s'] * 1e3:.1f}, publish {r['publish_s'] * 1e3:.1f}) cpu/wall {r['cpu_over_wall']:.2f}",
+                  flush=True)
     if "publish" in args.parts:
         results["publish_repeats"], results["publish"] = PUBLISH_REPEATS, {}
         for name in PUBLISH_CONFIGS:
