@@ -15,6 +15,12 @@ critic phase and actor step on the batch as global arrays, and the publish into 
 engine's layout; seconds of each part, median of the repeats, the arms interleaved
 repeat by repeat with each arm's CPU time over its wall time.
 
+load: host memory of `glmjax.from_pretrained(path, mesh=...)` for configs/small.py on 4
+devices, in a fresh process: the peak resident set above what the loaded arrays
+themselves hold (on CPU the devices' memory is the host's, so the arrays count in full),
+against the checkpoint's size. Each shard is read and placed alone, so the excess stays
+near the largest shard, not the model.
+
 publish: milliseconds of `WeightStore.publish` (rl/weights.py) for configs/tiny.py and
 configs/small.py, until the published arrays are ready, median of PUBLISH_REPEATS: into
 the learner's own layout (fsdp=8, a reference swap), into another layout on the same
@@ -229,13 +235,51 @@ def bench_rl(repeats) -> dict:
     return out
 
 
+LOAD_CHILD = r"""
+import json, os, resource, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+import jax, glmjax
+from flax import nnx
+def rss():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+mesh = glmjax.make_mesh(fsdp=2, expert=2, devices=jax.devices()[:4])
+before = rss()
+peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+model = glmjax.from_pretrained(sys.argv[1], mesh=mesh)
+jax.block_until_ready(nnx.state(model))
+after = rss()
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+held = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+print(json.dumps(dict(rss_before=before, rss_after=after, peak=max(peak, peak_before), array_bytes=held)))
+"""
+
+
+def bench_load(config) -> dict:
+    """The `load` part of the module docstring."""
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as path:
+        glmjax.save_pretrained(glmjax.init_model(config, seed=0), path)
+        size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+        out = subprocess.run([sys.executable, "-c", LOAD_CHILD, path], capture_output=True, text=True, check=True,
+                             env=dict(os.environ, PYTHONPATH=str(REPO)))
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    excess = r["peak"] - r["rss_before"] - r["array_bytes"]
+    return {"mesh": {"fsdp": 2, "expert": 2}, "checkpoint_bytes": size, "array_bytes": r["array_bytes"],
+            "peak_rss_above_start_bytes": r["peak"] - r["rss_before"], "peak_excess_over_arrays_bytes": excess,
+            "peak_excess_over_checkpoint": excess / size}
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--parts", nargs="+", choices=("meshes", "rl", "publish"), default=("meshes", "rl", "publish"))
+    ap.add_argument("--parts", nargs="+", choices=("meshes", "rl", "load", "publish"),
+                    default=("meshes", "rl", "load", "publish"))
     args = ap.parse_args(argv)
     load = lambda name: presets.model_config_from(  # noqa: E731
         presets.load_config(str(REPO / "configs" / f"{name}.py"))).replace(num_nextn_predict_layers=0)
@@ -258,6 +302,11 @@ def main(argv=None):
             print(f"rl {name:28s} step {r['step_s'] * 1e3:8.1f} ms (generate {r['generate_s'] * 1e3:.1f}, learner "
                   f"{r['learner_s'] * 1e3:.1f}, publish {r['publish_s'] * 1e3:.1f}) cpu/wall {r['cpu_over_wall']:.2f}",
                   flush=True)
+    if "load" in args.parts:
+        r = results["sharded_load"] = bench_load(load("small"))
+        print(f"sharded load: checkpoint {r['checkpoint_bytes'] / 1e6:.0f} MB, peak host memory above the arrays "
+              f"{r['peak_excess_over_arrays_bytes'] / 1e6:.0f} MB ({r['peak_excess_over_checkpoint']:.2f} of it)",
+              flush=True)
     if "publish" in args.parts:
         results["publish_repeats"], results["publish"] = PUBLISH_REPEATS, {}
         for name in PUBLISH_CONFIGS:

@@ -173,10 +173,13 @@ def test_a_killed_agentic_run_resumes(tmp_path):
 
 
 def test_the_job_on_a_mesh_trains_as_on_one_device(tmp_path, uninterrupted_run):
-    """--config.mesh.fsdp=4 --config.mesh.expert=2 (8 fake devices; the base's SFT, the
-    learner and the engine sharded), the engine in the serving layout (publishing reshards
-    every step): the same tasks, rewards and losses, step by step, as the one-device run."""
+    """--config.mesh.fsdp=4 --config.mesh.expert=2 (8 fake devices; the cached base loaded
+    sharded, the learner and the engine on the mesh), the engine in the serving layout
+    (publishing reshards every step): the same tasks, rewards and losses, step by step, as
+    the one-device run."""
     mesh = tmp_path / "mesh"
+    mesh.mkdir()  # the same base, loaded split over the mesh (the LM job's test covers sharded training steps)
+    subprocess.run(["cp", "-r", str(uninterrupted_run / "base"), str(mesh / "base")], check=True)
     done = subprocess.run(_cmd(mesh, "--config.mesh.fsdp=4", "--config.mesh.expert=2",
                                "--config.rl.engine_rules=decode"), env=_env(), cwd=REPO, capture_output=True,
                           text=True, timeout=900)
