@@ -239,6 +239,7 @@ LOAD_CHILD = r"""
 import json, os, resource, sys
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax, glmjax
+import glmjax.sharding
 from flax import nnx
 def rss():
     with open("/proc/self/statm") as f:
@@ -250,7 +251,7 @@ model = glmjax.from_pretrained(sys.argv[1], mesh=mesh)
 jax.block_until_ready(nnx.state(model))
 after = rss()
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-held = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+held = sum(glmjax.sharding.per_device_bytes(nnx.state(model)).values())  # every device's copy counted
 print(json.dumps(dict(rss_before=before, rss_after=after, peak=max(peak, peak_before), array_bytes=held)))
 """
 
