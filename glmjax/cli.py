@@ -112,8 +112,7 @@ def _run(cfg, workdir: str, mesh) -> dict:
     held_out = corpus.tokens[-EVAL_SEQUENCES:]
     eval_batch = distributed.global_batch(
         {"input_ids": jnp.asarray(held_out), "loss_mask": jnp.ones(held_out.shape, jnp.float32)}, mesh)
-    where = (f"mesh {', '.join(f'{a}={n}' for a, n in mesh.shape.items() if n > 1)} of {mesh.size} "
-             f"{jax.devices()[0].platform} devices" if mesh is not None else jax.devices()[0].platform)
+    where = distributed.describe(mesh) if mesh is not None else jax.devices()[0].platform
     print(f"{model_cfg.num_hidden_layers} layers, hidden {model_cfg.hidden_size}, "
           f"{glmjax.count_params(model_cfg):,} parameters; {where}")
     print(f"corpus: chance loss ln({model_cfg.vocab_size}) = {math.log(model_cfg.vocab_size):.3f}, "

@@ -83,15 +83,20 @@ def job_rules(cfg):
                                for name, target in sharding.DEFAULT_RULES)
 
 
+def _sizes(cfg) -> dict[str, int]:
+    """`config.mesh` as {axis: size} over every axis ({} without a mesh section)."""
+    from glmjax import sharding
+
+    return {a: int(cfg.mesh.get(a, 1)) for a in sharding.AXES} if "mesh" in cfg else {}
+
+
 def check_job(cfg) -> None:
     """Raises ValueError naming a `config.rules` entry or a `config.mesh` size that the job
     cannot use, before any work (in one process, where the devices are known already)."""
-    from glmjax import sharding
-
     job_rules(cfg)
     if "mesh" not in cfg:
         return
-    sizes = {a: int(cfg.mesh.get(a, 1)) for a in sharding.AXES}
+    sizes = _sizes(cfg)
     bad = [f"mesh.{a}={n}" for a, n in sizes.items() if n < 1]
     if bad:
         raise ValueError(f"config {', '.join(bad)}: mesh sizes must be >= 1")
@@ -114,7 +119,7 @@ def job_mesh(cfg):
         initialize(d.get("coordinator") or None, None if n < 0 else n,
                    None if n < 0 else d.get("process_id", 0))
     rules = job_rules(cfg)
-    sizes = {a: int(cfg.mesh.get(a, 1)) for a in sharding.AXES} if "mesh" in cfg else {}
+    sizes = _sizes(cfg)
     needed = int(np.prod(list(sizes.values()))) if sizes else 1
     if needed == 1 and jax.process_count() == 1:
         return None, rules
@@ -125,6 +130,12 @@ def job_mesh(cfg):
         raise ValueError(f"config.mesh ({shown}) needs {needed} devices; {len(devices)} are available over "
                          f"{jax.process_count()} process(es): set the --config.mesh.<axis> sizes to multiply {want}")
     return sharding.make_mesh(**sizes, devices=devices[:needed]), rules
+
+
+def describe(mesh) -> str:
+    """"mesh fsdp=4, expert=2 of 8 cpu devices": what a job prints of where it runs."""
+    axes = ", ".join(f"{a}={n}" for a, n in mesh.shape.items() if n > 1)
+    return f"mesh {axes} of {mesh.size} {mesh.devices.flat[0].platform} devices"
 
 
 def batch_sharding(mesh, shape, rules=None) -> jax.sharding.NamedSharding:

@@ -225,7 +225,7 @@ class GlmEngine(_Engine):
         with self._on_mesh():
             self.state_shardings = self._state_shardings(jax.eval_shape(self._zero_state))
         st, rep = self.state_shardings, sharding.NamedSharding(self._mesh, sharding.PartitionSpec())
-        result = (self._replicated_rows(),) * 3
+        result = (rep,) * 3  # a step's results [B, K+1]: on every device, read by the host each step
         self._prefill_fn = jax.jit(self._prefill_impl)
         self._init_fn = jax.jit(self._zero_state, out_shardings=st)
         self._generate_fn = jax.jit(self._generate_rows, in_shardings=(None, st, rep), out_shardings=(st, result),
@@ -260,18 +260,15 @@ class GlmEngine(_Engine):
         under them, whatever the caller's thread has set."""
         return sharding.use_mesh(self._mesh, self.rules)
 
-    def _spec(self, names, shape) -> jax.sharding.NamedSharding:
-        return sharding.NamedSharding(self._mesh, sharding.logical_spec(names, shape, mesh=self._mesh,
-                                                                        rules=self.rules))
-
-    def _replicated_rows(self) -> jax.sharding.NamedSharding:
-        """A step's results [B, K+1]: on every device, read by the host each step."""
-        return sharding.NamedSharding(self._mesh, sharding.PartitionSpec())
+    def _per_slot(self, x, *rest) -> jax.sharding.NamedSharding:
+        """x [slots, ...] split per slot (the "slots" rule), its other dimensions by `rest`."""
+        spec = sharding.logical_spec(("slots",) + rest, x.shape, mesh=self._mesh, rules=self.rules)
+        return sharding.NamedSharding(self._mesh, spec)
 
     def _state_shardings(self, state: "DecodeState") -> "DecodeState":
         """The decode state's NamedShardings: per slot over the "slots" rule, the cache per
         glmjax/cache.py, drafts' log-probs over the vocabulary rule."""
-        slots = lambda x, *rest: self._spec(("slots",) + rest, x.shape)  # noqa: E731
+        slots = self._per_slot
         return DecodeState(
             cache=state.cache.shardings(self._mesh, self.rules), tokens=slots(state.tokens),
             drafts=slots(state.drafts, None), draft_logp=slots(state.draft_logp, None, "act_vocab"),
@@ -400,7 +397,7 @@ class GlmEngine(_Engine):
 
     def _prefix_shardings(self, prefix: Prefix) -> Prefix:
         """A Prefix of n rows laid out as n slots of the decode state."""
-        slots = lambda x, *rest: self._spec(("slots",) + rest, x.shape)  # noqa: E731
+        slots = self._per_slot
         return Prefix(prefix.cache.shardings(self._mesh, self.rules), slots(prefix.token), slots(prefix.log_prob),
                       slots(prefix.version), slots(prefix.drafts, None), slots(prefix.draft_logp, None, "act_vocab"),
                       slots(prefix.temperature), slots(prefix.top_k), slots(prefix.rng))

@@ -212,9 +212,7 @@ def _run(cfg, workdir: str, mesh, rules) -> dict:
     start = time.time()
     o = cfg.opd
     if mesh is not None:
-        axes = ", ".join(f"{a}={n}" for a, n in mesh.shape.items() if n > 1)
-        print(f"student, teachers and engine on mesh {axes} of {mesh.size} {mesh.devices.flat[0].platform} devices",
-              flush=True)
+        print(f"student, teachers and engine on {distributed.describe(mesh)}", flush=True)
     student = build_student(cfg, workdir, mesh)
     registry = build_teachers(cfg, workdir, student, mesh)
     heldout = heldout_tasks(cfg)

@@ -404,9 +404,8 @@ def _run(cfg, workdir: str, make_rollout, mesh) -> dict:
     engine = _engine(cfg, policy, mesh)
     store = engine.weights
     if mesh is not None:
-        axes = ", ".join(f"{a}={n}" for a, n in mesh.shape.items() if n > 1)
-        print(f"policy and critic on mesh {axes} of {mesh.size} {mesh.devices.flat[0].platform} devices; "
-              f"the engine in the {rl.get('engine_rules', 'learner')} layout", flush=True)
+        print(f"policy and critic on {distributed.describe(mesh)}; the engine in the "
+              f"{rl.get('engine_rules', 'learner')} layout", flush=True)
     driver = Driver(engine)
     compaction = _compaction(cfg)
     warmup_start = time.time()  # every prefill shape now, so that no rollout waits for a compile mid-run
