@@ -12,8 +12,12 @@ be omitted: jax.distributed detects them. On CPUs, collectives go through gloo.
 
 from __future__ import annotations
 
+import pickle
+
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
@@ -152,3 +156,51 @@ def global_batch(tree, mesh, rules=None):
     if mesh is None:
         return tree
     return jax.tree.map(lambda x: global_array(np.asarray(x), batch_sharding(mesh, np.shape(x), rules)), tree)
+
+
+# Several processes in one job ---------------------------------------------------------
+# The RL job runs one rollout engine per process, on that process's own devices, so that
+# its background generation issues no collective; everything the processes must agree on
+# (the learner's batch, the metrics, the checkpoint) goes through `gather_objects` at the
+# same point of every process's loop.
+
+
+def is_main() -> bool:
+    """Whether this process writes the job's logs, metrics and summary (process 0)."""
+    return jax.process_index() == 0
+
+
+def gather_objects(obj) -> list:
+    """Every process's `obj` (any picklable value), in process order, on every process. A
+    collective: every process calls it at the same point of its program."""
+    if jax.process_count() == 1:
+        return [obj]
+    data = np.frombuffer(pickle.dumps(obj), np.uint8)
+    sizes = multihost_utils.process_allgather(np.asarray([data.size], np.int64))[:, 0]
+    padded = np.zeros(int(sizes.max()), np.uint8)
+    padded[:data.size] = data
+    rows = multihost_utils.process_allgather(padded)
+    return [pickle.loads(rows[i, :n].tobytes()) for i, n in enumerate(sizes)]
+
+
+def process_meshes(mesh: Mesh) -> list[Mesh]:
+    """Each process's devices in `mesh` as a mesh of the same axes: the block of the device
+    grid they form, its sizes those of `mesh` divided where the processes split an axis
+    (fsdp=4 over 2 processes of 4 devices: fsdp=2 each). `[mesh]` in one process. Raises
+    when a process's devices are no block (a mesh built on another device order)."""
+    owner = np.vectorize(lambda d: d.process_index, otypes=[int])(mesh.devices)
+    blocks = []
+    for p in range(jax.process_count()):
+        mine = owner == p
+        index = np.ix_(*[np.flatnonzero(mine.any(axis=tuple(b for b in range(mine.ndim) if b != a)))
+                         for a in range(mine.ndim)])
+        if not mine[index].all() or mine[index].sum() != mine.sum():
+            raise ValueError(f"{describe(mesh)}: the devices of process {p} are not one block of the mesh; build it "
+                             "with glmjax.make_mesh over jax.devices(), whose order is process by process")
+        blocks.append(Mesh(mesh.devices[index], mesh.axis_names, axis_types=mesh.axis_types))
+    return blocks
+
+
+def local_mesh(mesh: Mesh) -> Mesh:
+    """This process's block of `mesh` (`process_meshes`); `mesh` itself in one process."""
+    return process_meshes(mesh)[jax.process_index()]

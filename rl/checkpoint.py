@@ -7,6 +7,12 @@ admission counters, the weight version, the base model's pass rate and whatever 
 trainer passes (its running totals for summary.json). Arrays go through `StandardSave`;
 the small loop state through `JsonSave`.
 
+With several processes every process saves and restores (orbax writes each array's
+shards from the processes that hold them, the metadata from process 0); the task
+stream's position and the admission counters are each process's own, so the metadata
+holds one of each per process, and a run resumes with the number of processes that wrote
+it.
+
 Restore reads the newest step that reads in full (its metadata, then every array) and
 only then loads it into the live objects, so a failed read changes nothing. A step that
 does not read (a truncated array file, metadata that is not JSON or lacks a field) is
@@ -25,6 +31,9 @@ import os
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.experimental import multihost_utils
+
+from glmjax import distributed
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +76,19 @@ def _reason(err: BaseException, limit: int = 400) -> str:
     return str(err) if inner is err else f"{err}: {detail}"
 
 
+def _own(meta: dict, key: str, step: int):
+    """This process's entry of a per-process metadata field (a checkpoint written before
+    the fields were per process holds one value)."""
+    value = meta[key]
+    if not isinstance(value, list):
+        return value
+    if len(value) != jax.process_count():
+        raise UnreadableCheckpoints(f"checkpoint step {step} was written by {len(value)} process(es) and this run has "
+                                    f"{jax.process_count()}: resume it with --config.distributed.num_processes="
+                                    f"{len(value)}")
+    return value[jax.process_index()]
+
+
 class LoopCheckpointer:
     def __init__(self, directory: str, keep: int = 2):
         self.directory = os.path.abspath(directory)
@@ -77,7 +99,8 @@ class LoopCheckpointer:
         """Starts an asynchronous save of `step`; `extra` (JSON values) lands in the metadata."""
         arrays = {k: nnx.state(m).to_pure_dict() for k, m in _modules(policy, critic, learner).items()}
         meta = {"step": step, "version": version, "learner_steps": learner.steps, "skipped": learner.skipped,
-                "stream": stream.get_state(), "admission": admission.state_dict(), **extra}
+                "stream": distributed.gather_objects(stream.get_state()),
+                "admission": distributed.gather_objects(admission.state_dict()), **extra}
         self.manager.save(step, args=ocp.args.Composite(arrays=ocp.args.StandardSave(arrays),
                                                          meta=ocp.args.JsonSave(meta)))
 
@@ -101,18 +124,22 @@ class LoopCheckpointer:
                     f"step {s}: {why}" for s, why in failed))
             return None
         for bad, why in failed:
-            moved = set_aside(os.path.join(self.directory, str(bad)))
+            where = os.path.join(self.directory, str(bad))
+            moved = set_aside(where) if distributed.is_main() else where + ".corrupt"
             log.warning("checkpoint step %d does not read (%s): resuming from step %d instead; step %d is moved "
                         "to %s", bad, why, step, bad, moved)
         if failed:
+            if jax.process_count() > 1:
+                multihost_utils.sync_global_devices("glmjax.checkpoint.set_aside")
             self.manager.reload()
+        stream_state, admission_state = _own(meta, "stream", step), _own(meta, "admission", step)
         for k, m in modules.items():
             state = nnx.state(m)
             nnx.replace_by_pure_dict(state, arrays[k])
             nnx.update(m, state)
         learner.steps, learner.skipped = meta["learner_steps"], meta["skipped"]
-        stream.set_state(meta["stream"])
-        admission.load_state_dict(meta["admission"])
+        stream.set_state(stream_state)
+        admission.load_state_dict(admission_state)
         return meta
 
     def _read(self, step: int, abstract: dict) -> tuple[dict, dict]:

@@ -14,6 +14,11 @@ outlives `env_timeout` seconds is abandoned ("env_timeout"), one the engine fail
 counts each cause, and the loop goes on. A group (`group_size` rollouts of one prompt,
 GRPO) goes to the learner once all its members are finished; its kept members train.
 Batches are formed in admission order, not finishing order, so a resumed run replays.
+
+In a job of several processes each runs its own collector and engine (`shard=(index,
+count)`): its tasks are every count-th of the job's stream, and its rollout ids those
+that one collector of the whole job would give them, so that the gathered batch and each
+rollout's sampling seed are the same whatever the number of processes.
 """
 
 from __future__ import annotations
@@ -40,11 +45,14 @@ def _stamped(work, ended: list):
 
 class Collector:
     def __init__(self, driver: Driver, admission: ro.Admission, make_rollout, tasks, *, group_size: int = 1,
-                 tau: int = 4, workers: int = 4, env_timeout: float = 600.0, score=None):
+                 tau: int = 4, workers: int = 4, env_timeout: float = 600.0, score=None,
+                 shard: tuple[int, int] = (0, 1)):
         """`make_rollout(task, rollout_id)` -> a `rl.rollout.Rollout`; `tasks`: an iterator of
-        tasks; `score(task, rollout)` -> the reward the learner sees (default: the rollout's)."""
+        tasks (this process's share of them with `shard`); `score(task, rollout)` -> the
+        reward the learner sees (default: the rollout's); shard: (this process, processes)."""
         self.driver, self.admission, self.make_rollout, self.tasks = driver, admission, make_rollout, tasks
         self.group, self.tau, self.env_timeout = group_size, tau, env_timeout
+        self.shard = shard
         self.score = score or (lambda task, r: r.reward)
         self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="glmjax-env")
         self.dropped: collections.Counter = collections.Counter()
@@ -68,7 +76,7 @@ class Collector:
         while self.admission.capacity(version) >= self.group:
             task = next(self.tasks)
             for _ in range(self.group):  # a group's ids are consecutive: rid // group names it
-                rid = self.admission.issued
+                rid = self._rollout_id(self.admission.issued)
                 self.admission.started()
                 self._born[rid] = time.time()
                 self._advance(task, self.make_rollout(task, rid), rid, version)
@@ -95,6 +103,13 @@ class Collector:
                 log.warning("environment of rollout %d (%s) exceeded %.0f s: dropped", rid, getattr(task, "id", "?"),
                             self.env_timeout)
                 self._drop(r, rid, "env_timeout")
+
+    def _rollout_id(self, issued: int) -> int:
+        """The job-wide id of this collector's `issued`-th rollout: its prompt is the job's
+        (prompt * processes + process)-th."""
+        index, count = self.shard
+        prompt, member = divmod(issued, self.group)
+        return (prompt * count + index) * self.group + member
 
     def _advance(self, task, r, rid: int, version: int) -> None:
         """Runs the rollout's state machine to its next wait: a model turn, environment

@@ -35,7 +35,6 @@ slots (`move`). Each row count compiles once.
 from __future__ import annotations
 
 import abc
-import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -323,16 +322,19 @@ class GlmEngine(_Engine):
         raise ValueError(f"{n} prefill tokens exceed max_prefill_length={self._max_prefill}; chunk the prompt")
 
     # Prefill ---------------------------------------------------------------------------
-    @functools.cached_property
+    @property
     def _empty(self) -> KVCache:
         """A batch-1 cache of nothing: the start of every new sequence."""
-        cache = KVCache.init(self.config, 1, self.max_len)
-        return cache if self._own_mtp else cache._replace(mtp=None)
+        return self._empty_rows(1)
 
     def _empty_rows(self, rows: int) -> KVCache:
-        """`rows` empty caches in one batch, made once per row count."""
+        """`rows` empty caches in one batch on every device of the engine, made once per row
+        count from host zeros (the caller's ambient mesh may hold other devices)."""
         if rows not in self._empties:
-            self._empties[rows] = jax.tree.map(lambda x: jnp.concatenate([x] * rows), self._empty)
+            shapes = jax.eval_shape(lambda: KVCache.init(self.config, rows, self.max_len))
+            everywhere = sharding.NamedSharding(self._mesh, sharding.PartitionSpec())
+            cache = jax.tree.map(lambda x: jax.device_put(np.zeros(x.shape, x.dtype), everywhere), shapes)
+            self._empties[rows] = cache if self._own_mtp else cache._replace(mtp=None)
         return self._empties[rows]
 
     def prefill(self, *, params, existing_prefix: Prefix | KVCache | None = None, padded_tokens,
@@ -368,7 +370,8 @@ class GlmEngine(_Engine):
         if all(c is self._empty for c in caches):  # new sequences only: no per-call concatenation
             cache = self._empty_rows(rows)
         else:
-            cache = caches[0] if rows == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *caches)
+            with self._on_mesh():
+                cache = caches[0] if rows == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *caches)
         w = self._weights(params)
         with self._on_mesh():
             return self._prefill_fn(self._leaves(w), cache, jnp.asarray(ids), jnp.asarray(lengths, jnp.int32),

@@ -182,6 +182,9 @@ def train_batch(learner: Learner, trajectories, teacher, domain_ids, cfg) -> dic
 def check_config(cfg) -> None:
     """Raises ValueError naming the first field of a distillation config that the job cannot
     run, before any model trains."""
+    if (cfg.get("distributed") or {}).get("num_processes", 1) != 1:
+        raise ValueError("the distillation job runs in one process (over any mesh of its devices): set "
+                         "distributed.num_processes=1")
     distributed.check_job(cfg)
     if cfg.opd.distribution not in (*opd.DISTRIBUTIONS, "sampled"):
         raise ValueError(f"opd.distribution={cfg.opd.distribution!r} is invalid: expected one of "

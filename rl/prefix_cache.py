@@ -17,7 +17,8 @@ import collections
 import threading
 from collections.abc import Sequence
 
-import jax.numpy as jnp
+import jax
+import numpy as np
 
 from glmjax.cache import KVCache
 
@@ -59,4 +60,5 @@ class PrefixCache:
             m += 1
         if m == 0:
             return None, 0
-        return cache._replace(lengths=jnp.full((1,), m, jnp.int32)), m
+        # on the cache's own devices, whatever mesh is ambient in the calling thread
+        return cache._replace(lengths=jax.device_put(np.full((1,), m, np.int32), cache.lengths.sharding)), m

@@ -33,6 +33,7 @@ from envs import augment, families, validate
 from envs.harbor import HarborTask
 from envs.sandbox import Limits
 from envs.shell import ShellEnv
+from glmjax import distributed
 from rl import rollout as ro
 from rl.chat import ByteChat
 from rl.compaction import Compaction, Rollout
@@ -72,7 +73,9 @@ def task_sets(cfg, workdir: str | None = None) -> tuple[list, list, dict]:
         train = families.make_tasks(t.family, t.train_tasks, seed=t.seed, difficulty=t.difficulty)
         heldout = families.make_tasks(t.family, t.eval_tasks, seed=t.seed + 1, split="heldout", difficulty=t.difficulty)
     train, refused = _augmented(cfg, train)
-    status = _validated(train + heldout, workdir, workers=cfg.env.workers)
+    # process 0 runs the checks (and keeps their cache); every process takes its statuses
+    checked = _validated(train + heldout, workdir, workers=cfg.env.workers) if distributed.is_main() else None
+    status = distributed.gather_objects(checked)[0]
     excluded = collections.Counter({"augment_refused": refused} if refused else {})
     excluded += collections.Counter(status[x.id] for x in train + heldout if status[x.id] != "pass")
     kept = lambda tasks: [x for x in tasks if status[x.id] == "pass"]  # noqa: E731

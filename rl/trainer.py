@@ -34,6 +34,7 @@ import logging
 import os
 import time
 
+import jax
 import numpy as np
 from flax import nnx
 from safetensors import SafetensorError
@@ -84,7 +85,8 @@ def episode_demonstrations(cfg, tasks):
                 for tr in episode.trajectories(0)]
 
     with concurrent.futures.ThreadPoolExecutor(cfg.env.workers) as pool:
-        rows = [row for rows in tqdm(pool.map(one, tasks), total=len(tasks), desc="oracle episodes", mininterval=1.0)
+        rows = [row for rows in tqdm(pool.map(one, tasks), total=len(tasks), desc="oracle episodes", mininterval=1.0,
+                                              disable=not distributed.is_main())
                 for row in rows]
     return _sft_arrays(rows, cfg.base.seq_len)
 
@@ -116,7 +118,7 @@ def build_base(cfg, workdir: str, demo_tasks=(), mesh=None) -> glmjax.GlmForCaus
         try:
             return glmjax.from_pretrained(path, mesh=mesh)
         except (OSError, ValueError, SafetensorError) as err:
-            aside = set_aside(path)
+            aside = set_aside(path) if distributed.is_main() else path + ".corrupt"
             log.warning("the cached base model in %s does not read (%s: %s); it is moved to %s and trained again",
                         path, type(err).__name__, " ".join(str(err).split())[:300], aside)
     model_cfg = presets.model_config_from(cfg)
@@ -147,7 +149,7 @@ def supervised(model: glmjax.GlmForCausalLM, ids, mask, sft, desc: str = "SFT", 
     stage = sft.get("indexer_stage", "sparse")
     opt = lm_train.make_optimizer(dict(sft), model, trainable=lm_train.TRAINABLE[stage])
     rng = np.random.default_rng(sft.seed)
-    for _ in tqdm(range(sft.steps), desc=desc, mininterval=1.0):
+    for _ in tqdm(range(sft.steps), desc=desc, mininterval=1.0, disable=not distributed.is_main()):
         idx = rng.integers(0, len(ids), sft.batch_size)
         batch = distributed.global_batch({"input_ids": ids[idx], "loss_mask": mask[idx]}, mesh)
         lm_train.train_step(model, opt, batch, mtp_weight=sft.mtp_weight, indexer_stage=stage)
@@ -196,9 +198,18 @@ def _env_setting(cfg, name: str, default):
 
 
 def _evaluate(cfg, driver: Driver, tasks, greedy: bool = True, **kw) -> dict:
+    """evaluate_rollouts over `tasks`; with several processes each runs every count-th task
+    on its own engine and the results are pooled."""
     make = rl_tasks.RolloutFactory(cfg, driver.engine.max_len - driver.engine.num_draft - 1, greedy=greedy, **kw)
-    return evaluate_rollouts(driver, [make(t, i, session="eval") for i, t in enumerate(tasks)],
-                             workers=_env_setting(cfg, "workers", 4))
+    index, count = jax.process_index(), jax.process_count()
+    mine = [make(t, i, session="eval") for i, t in enumerate(tasks) if i % count == index]
+    result = evaluate_rollouts(driver, mine, workers=_env_setting(cfg, "workers", 4))
+    if count == 1:
+        return result
+    parts = distributed.gather_objects((len(mine), result))
+    n = max(sum(k for k, _ in parts), 1)
+    pooled = {key: sum(k * r[key] for k, r in parts) / n for key in ("pass_rate", "reward", "turns")}
+    return dict(pooled, seconds=max(r["seconds"] for _, r in parts), failed=sum(r["failed"] for _, r in parts))
 
 
 def _matrix(cfg, engine: GlmEngine, heldout, workdir: str) -> dict:
@@ -223,13 +234,15 @@ def _matrix(cfg, engine: GlmEngine, heldout, workdir: str) -> dict:
 
 
 class TaskStream:
-    """Training tasks in a seeded, shuffled, repeating order (grain), checkpointable."""
+    """Training tasks in a seeded, shuffled, repeating order (grain), checkpointable. With
+    `shard=(index, count)`, every count-th of them from the index-th: one process's share."""
 
-    def __init__(self, tasks, seed: int):
+    def __init__(self, tasks, seed: int, shard: tuple[int, int] = (0, 1)):
         import grain
 
         self.tasks = tasks
-        self._ds = grain.MapDataset.range(len(tasks)).shuffle(seed=seed).repeat()
+        index, count = shard
+        self._ds = grain.MapDataset.range(len(tasks)).shuffle(seed=seed).repeat()[index::count]
         self._it = iter(self._ds.to_iter_dataset())
 
     def __next__(self):
@@ -284,6 +297,12 @@ def check_config(cfg) -> None:
     _compaction(cfg)  # Compaction validates its own fields
     if rl.get("engine_rules", "learner") not in ENGINE_RULES:
         raise ValueError(f"rl.engine_rules={rl.engine_rules!r} is invalid: expected one of {sorted(ENGINE_RULES)}")
+    processes = (cfg.get("distributed") or {}).get("num_processes", 1)
+    if processes > 1 and rl.batch_size % (processes * group):
+        raise ValueError(f"rl.batch_size={rl.batch_size} must split over distributed.num_processes={processes} in "
+                         f"whole groups of rl.group_size={group}: make it a multiple of {processes * group}")
+    if processes != 1 and (rl.get("replay") or {}).get("enabled", False):
+        raise ValueError("rl.replay runs in one process: set rl.replay.enabled=False for a multi-process job")
     distributed.check_job(cfg)
 
 
@@ -314,6 +333,15 @@ class _Log:
         self.bar.close()
         self.writer.close()
         self.history.close()
+
+
+class _Quiet:
+    """The log of a process other than the first: it writes nothing."""
+
+    def step(self, *args) -> None:
+        pass
+
+    eval = close = step
 
 
 def _scorer(cfg):
@@ -385,15 +413,36 @@ def _engine(cfg, policy, mesh) -> GlmEngine:
         return GlmEngine(policy, weights=WeightStore(nnx.state(policy)), max_concurrent_decodes=rl.slots,
                          max_len=cfg.task.max_len)
     rules = ENGINE_RULES[rl.get("engine_rules", "learner")] or sharding.current_rules()
+    local = distributed.local_mesh(mesh)  # with several processes, each has an engine on its own devices
     state = nnx.state(policy)
-    store = WeightStore(state, shardings=sharding.param_shardings(state, mesh, rules))
-    return GlmEngine(policy, weights=store, max_concurrent_decodes=rl.slots, max_len=cfg.task.max_len, mesh=mesh,
+    store = WeightStore(state, shardings=sharding.param_shardings(state, local, rules))
+    return GlmEngine(policy, weights=store, max_concurrent_decodes=rl.slots, max_len=cfg.task.max_len, mesh=local,
                      rules=rules)
+
+
+def _say(text: str) -> None:
+    """A line of the job's output (process 0's)."""
+    if distributed.is_main():
+        print(text, flush=True)
+
+
+def _gathered(collector: Collector, local: list) -> dict:
+    """This step's share of every process: the batch in rollout order (as one process's
+    collector would take it), the turns of the episodes finished since the last step, and
+    the collectors' environment and rollout seconds and dropped rollouts so far."""
+    finished = [r.turns for _, r in collector.drain_finished() if hasattr(r, "turns")]
+    parts = distributed.gather_objects((local, finished, collector.env_seconds, collector.rollout_seconds,
+                                        dict(collector.dropped)))
+    return {"batch": sorted((tr for p in parts for tr in p[0]), key=lambda tr: (tr.rollout_id, tr.segment_index)),
+            "turns": [t for p in parts for t in p[1]], "env_seconds": sum(p[2] for p in parts),
+            "rollout_seconds": sum(p[3] for p in parts),
+            "dropped": sum((collections.Counter(p[4]) for p in parts), collections.Counter())}
 
 
 def _run(cfg, workdir: str, make_rollout, mesh) -> dict:
     start = time.time()
     rl = cfg.rl
+    processes = jax.process_count()
     train_tasks, heldout, excluded = rl_tasks.task_sets(cfg, workdir)
     validation = rl_tasks.validation_tasks(cfg, train_tasks, heldout)
     policy = build_base(cfg, workdir, demo_tasks=train_tasks, mesh=mesh)
@@ -404,29 +453,33 @@ def _run(cfg, workdir: str, make_rollout, mesh) -> dict:
     engine = _engine(cfg, policy, mesh)
     store = engine.weights
     if mesh is not None:
-        print(f"policy and critic on {distributed.describe(mesh)}; the engine in the "
-              f"{rl.get('engine_rules', 'learner')} layout", flush=True)
+        engines = f"one engine per process on its {engine.mesh.size} devices" if processes > 1 else "the engine"
+        _say(f"policy and critic on {distributed.describe(mesh)}{f' over {processes} processes' * (processes > 1)}; "
+             f"{engines} in the {rl.get('engine_rules', 'learner')} layout")
     driver = Driver(engine)
     compaction = _compaction(cfg)
     warmup_start = time.time()  # every prefill shape now, so that no rollout waits for a compile mid-run
     if rl.get("warmup_compile", True):
         engine.warmup(buckets=_prefill_buckets(engine, train_tasks + heldout, compaction))
     warmup_seconds = time.time() - warmup_start
-    stream = TaskStream(train_tasks, seed=cfg.task.seed)
-    admission = ro.Admission(rl.batch_size, rl.eta, rl.slots)
+    shard = (jax.process_index(), processes)  # each process collects its share of every batch
+    share = rl.batch_size // processes
+    if share * processes != rl.batch_size or share % rl.get("group_size", 1):
+        raise ValueError(f"rl.batch_size={rl.batch_size} does not split over {processes} processes in whole groups")
+    stream = TaskStream(train_tasks, seed=cfg.task.seed, shard=shard)
+    admission = ro.Admission(share, rl.eta, rl.slots)
     ckpt = LoopCheckpointer(os.path.join(workdir, "checkpoints"), keep=2)
     resumed = ckpt.restore(policy=policy, critic=critic, learner=learner, stream=stream, admission=admission)
     if resumed:
-        print(f"resumed from step {resumed['step']} ({os.path.join(ckpt.directory, str(resumed['step']))})",
-              flush=True)
+        _say(f"resumed from step {resumed['step']} ({os.path.join(ckpt.directory, str(resumed['step']))})")
         if resumed["version"] > store.version:  # a run killed before its first update stays at 0
             store.publish(nnx.state(policy), resumed["version"])
     before = resumed or {}  # the totals of the processes before this one, up to the checkpoint
     earlier = {k: before.get(k, 0.0) for k in ("wall_seconds", "warmup_seconds", "rl_seconds", "env_seconds")}
-    logs = _Log(workdir, rl.steps, learner.steps)
+    logs = _Log(workdir, rl.steps, learner.steps) if distributed.is_main() else _Quiet()
 
     base = resumed["base_eval"] if resumed and "base_eval" in resumed else _evaluate(cfg, driver, heldout)
-    print(f"base model: held-out pass rate {base['pass_rate']:.1%} on {len(heldout)} tasks", flush=True)
+    _say(f"base model: held-out pass rate {base['pass_rate']:.1%} on {len(heldout)} tasks")
     if not resumed:
         logs.eval(base, 0)
 
@@ -434,12 +487,13 @@ def _run(cfg, workdir: str, make_rollout, mesh) -> dict:
     make = make_rollout or rl_tasks.RolloutFactory(cfg, window)
     group = rl.get("group_size", 1)  # GRPO-style baselines sample G rollouts per prompt
     collector = Collector(driver, admission, make, stream, group_size=group, tau=rl.tau,
-                          workers=_env_setting(cfg, "workers", 2),
+                          workers=_env_setting(cfg, "workers", 2), shard=shard,
                           env_timeout=_env_setting(cfg, "episode_seconds", 600.0), score=_scorer(cfg))
-    collector.dropped.update(before.get("dropped", {}))
     driver.start()
     loop_start = time.time()
     step, rollouts = learner.steps, before.get("rollouts", 0)
+    shared = {"env_seconds": 0.0, "rollout_seconds": 0.0, "dropped": collections.Counter()}
+    dropped = collections.Counter(before.get("dropped", {}))
     yields = rl.get("generation_yields", True)
     rows = rl.batch_size * (compaction.max_segments if compaction else 1)  # one learner shape
     busy, last_step_at = before.get("learner_seconds", 0.0), time.time()
@@ -448,15 +502,17 @@ def _run(cfg, workdir: str, make_rollout, mesh) -> dict:
     replay = BatchReplay(**replay_cfg, seed=cfg.seed) if replay_on else None
     while step < rl.steps:
         collector.poll(store.version)
-        batch = collector.take(rl.batch_size)
-        if batch is None:
+        local = collector.take(share)
+        if local is None:
             driver.resume()
             time.sleep(0.002)
             continue
-        if yields and collector.ready_rollouts() >= rl.batch_size:
+        if yields and collector.ready_rollouts() >= share:
             driver.pause()  # the next batch is complete too: generation waits while this one trains
         else:
             driver.resume()
+        shared = _gathered(collector, local)
+        batch = shared["batch"]
         t0 = time.time()
         metrics = _learn(learner, batch, cfg, rows, replay)
         store.publish(nnx.state(policy))
@@ -467,10 +523,8 @@ def _run(cfg, workdir: str, make_rollout, mesh) -> dict:
         staleness = [tr.staleness(store.version - 1) for tr in batch]
         if compaction:
             metrics["segments_per_rollout"] = len(batch) / len(last)
-        finished = collector.drain_finished()
-        turns = [r.turns for _, r in finished if hasattr(r, "turns")]
-        if turns:
-            metrics["turns_per_episode"] = float(np.mean(turns))
+        if shared["turns"]:
+            metrics["turns_per_episode"] = float(np.mean(shared["turns"]))
         now = time.time()
         metrics["tokens_per_s"] = sum(len(tr.completion) for tr in batch) / max(now - last_step_at, 1e-9)
         last_step_at = now
@@ -479,7 +533,7 @@ def _run(cfg, workdir: str, make_rollout, mesh) -> dict:
             metrics["reward_raw"] = float(np.mean([tr.raw_reward for tr in last]))
         metrics.update(reward=float(np.mean([tr.reward for tr in last])), staleness_mean=float(np.mean(staleness)),
                        learner_s=learner_s, learner_busy_fraction=busy / max(loop_s, 1e-9),
-                       env_seconds_per_rollout=(earlier["env_seconds"] + collector.env_seconds) / max(rollouts, 1))
+                       env_seconds_per_rollout=(earlier["env_seconds"] + shared["env_seconds"]) / max(rollouts, 1))
         every = rl.get("validate_every", 0)
         if every and step % every == 0 and validation:
             driver.pause()  # validation has the machine: the training driver waits between steps
@@ -494,13 +548,13 @@ def _run(cfg, workdir: str, make_rollout, mesh) -> dict:
             now = time.time()
             ckpt.save(step, policy=policy, critic=critic, learner=learner, stream=stream, admission=admission,
                       version=store.version, base_pass_rate=base["pass_rate"], base_eval=base, rollouts=rollouts,
-                      dropped=dict(collector.dropped), learner_seconds=busy,
+                      dropped=dict(dropped + shared["dropped"]), learner_seconds=busy,
                       rl_seconds=earlier["rl_seconds"] + now - loop_start,
-                      env_seconds=earlier["env_seconds"] + collector.env_seconds,
+                      env_seconds=earlier["env_seconds"] + shared["env_seconds"],
                       warmup_seconds=earlier["warmup_seconds"] + warmup_seconds,
                       wall_seconds=earlier["wall_seconds"] + now - start)
     rl_seconds = max(earlier["rl_seconds"] + time.time() - loop_start, 1e-9)
-    env_seconds = earlier["env_seconds"] + collector.env_seconds
+    env_seconds = earlier["env_seconds"] + shared["env_seconds"]
     collector.close()
     driver.stop()
     ckpt.wait()
@@ -509,26 +563,28 @@ def _run(cfg, workdir: str, make_rollout, mesh) -> dict:
     final = _evaluate(cfg, Driver(engine), heldout)
     logs.eval(final, step)
     summary = {"base_pass_rate": base["pass_rate"], "final_pass_rate": final["pass_rate"], "steps": step,
-               "rollouts": rollouts, "algorithm": rl.algorithm, "eta": rl.eta, "dropped": dict(collector.dropped),
+               "rollouts": rollouts, "algorithm": rl.algorithm, "eta": rl.eta,
+               "dropped": dict(dropped + shared["dropped"]),
                "heldout_tasks": len(heldout), "train_tasks": len(train_tasks), "excluded_tasks": excluded,
                "wall_seconds": earlier["wall_seconds"] + time.time() - start,
                "warmup_seconds": earlier["warmup_seconds"] + warmup_seconds, "rl_seconds": rl_seconds,
                "learner_busy_fraction": busy / rl_seconds,
                "relative_gain": (final["pass_rate"] - base["pass_rate"]) / max(base["pass_rate"], 1e-9),
-               "resumed_from_step": resumed["step"] if resumed else None}
+               "resumed_from_step": resumed["step"] if resumed else None, "processes": processes}
     if rl_tasks.agentic(cfg):  # the same policy with every command's output hidden: what reading is worth
         blind = _evaluate(cfg, Driver(engine), heldout, blank_observations=True)
         summary.update(final_pass_rate_blind=blind["pass_rate"])
         summary.update(base_turns_per_episode=base["turns"], final_turns_per_episode=final["turns"],
                        env_seconds=env_seconds,
-                       env_time_fraction=collector.env_seconds / max(collector.rollout_seconds, 1e-9))
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    if rl_tasks.agentic(cfg) and cfg.get("eval", {}).get("matrix_tasks", 0):
-        report = _matrix(cfg, engine, heldout, workdir)
-        print(evaluate_matrix.table(report), flush=True)
+                       env_time_fraction=shared["env_seconds"] / max(shared["rollout_seconds"], 1e-9))
+    if distributed.is_main():
+        with open(os.path.join(workdir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        if rl_tasks.agentic(cfg) and cfg.get("eval", {}).get("matrix_tasks", 0):
+            report = _matrix(cfg, engine, heldout, workdir)  # process 0's engine alone: no collective
+            print(evaluate_matrix.table(report), flush=True)
     logs.close()
-    print(format_table(summary), flush=True)
+    _say(format_table(summary))
     return summary
 
 

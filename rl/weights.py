@@ -11,7 +11,12 @@ reshards each new state into them inside XLA, never through the host:
      the learner's own devices (XLA's collectives; nothing moves when the splits agree);
   2. when the engine's devices are others (a disjoint subset, as many as the learner's),
      `jax.device_put` copies each shard to the engine device of the same position, shard
-     for shard, device to device.
+     for shard, device to device;
+  3. when the learner spans several processes and each process runs an engine on its own
+     devices (rl/trainer.py), one jitted identity reshards the state into a layout that
+     repeats the engine's split in every process's block of devices, and each process
+     keeps the shards on its own devices as the engine's arrays
+     (`jax.make_array_from_single_device_arrays`: no copy). Every process publishes.
 
 `jax.device_put` alone would not do: a shard of the new split that no old shard equals is
 assembled on the host.
@@ -77,9 +82,39 @@ def _on_devices(target: NamedSharding, devices: list) -> NamedSharding:
     return NamedSharding(staged, target.spec, memory_kind=target.memory_kind)
 
 
+def _repeated_per_process(state_mesh: Mesh, target: NamedSharding) -> NamedSharding:
+    """`target` (on this process's devices) repeated over every process's block of
+    `state_mesh`: a mesh with a leading "process" axis, replicated along it."""
+    from glmjax.distributed import process_meshes
+
+    blocks = process_meshes(state_mesh)
+    mine = blocks[jax.process_index()]
+    if mine.devices.shape != target.mesh.devices.shape or (mine.devices != target.mesh.devices).any():
+        raise ValueError(f"WeightStore: the readers' mesh {dict(target.mesh.shape)} is not this process's block "
+                         f"{dict(mine.shape)} of the learner's mesh; build it with glmjax.distributed.local_mesh")
+    mesh = Mesh(np.stack([b.devices for b in blocks]), ("process",) + tuple(target.mesh.axis_names))
+    return NamedSharding(mesh, target.spec, memory_kind=target.memory_kind)
+
+
+def _to_process_local(state: Any, shardings: Any) -> Any:
+    """Step 3 of the module docstring."""
+    leaves = jax.tree.leaves(state)
+    state_mesh = next(x.sharding.mesh for x in leaves if isinstance(x.sharding, NamedSharding))
+    views = jax.tree.map(lambda s: _repeated_per_process(state_mesh, s), shardings)
+    out = jax.jit(_identity, out_shardings=views)(state)
+    treedef = jax.tree.structure(shardings)  # a prefix of the state's: a Variable holds each array
+    own = lambda x, s: jax.make_array_from_single_device_arrays(  # noqa: E731
+        x.shape, s, [shard.data for shard in x.addressable_shards])
+    return treedef.unflatten([jax.tree.map(lambda x, s=s: own(x, s), part)
+                              for s, part in zip(jax.tree.leaves(shardings), treedef.flatten_up_to(out))])
+
+
 def reshard(state: Any, shardings: Any) -> Any:
     """`state` copied into `shardings` (a pytree of NamedSharding matching it) device to
-    device: steps 1 and 2 of the module docstring."""
+    device: steps 1 to 3 of the module docstring."""
+    if (jax.process_count() > 1 and all(s.is_fully_addressable for s in jax.tree.leaves(shardings))
+            and not all(x.is_fully_addressable for x in jax.tree.leaves(state))):
+        return _to_process_local(state, shardings)
     devices = sorted({d for x in jax.tree.leaves(state) for d in x.devices()}, key=lambda d: d.id)
     staged = jax.tree.map(lambda s: _on_devices(s, devices), shardings)
     out = jax.jit(_identity, out_shardings=staged)(state)
