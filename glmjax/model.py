@@ -11,6 +11,7 @@ last layer's is returned (`ModelOutput.topk`) for MTP drafting over the main cac
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -150,9 +151,15 @@ def init_model(config: ModelConfig, seed: int = 0, *, mesh: jax.sharding.Mesh | 
 
 def count_params(config: ModelConfig, include_mtp: bool = True) -> int:
     """Stored values (weights and correction biases) of the model, via jax.eval_shape:
-    nothing is allocated, so this works for the full 744B configuration."""
-    if not include_mtp:
-        config = config.replace(num_nextn_predict_layers=0)
+    nothing is allocated, so this works for the full 744B configuration. Without MTP: the
+    same model less its `mtp` layers."""
+    return sum(n for top, n in _stored_sizes(config) if include_mtp or top != "mtp")
+
+
+@functools.lru_cache(maxsize=8)
+def _stored_sizes(config: ModelConfig) -> tuple[tuple[str, int], ...]:
+    """(top-level attribute, size) of every stored array (tracing a full-size init takes
+    tens of seconds: once per config)."""
     abstract = nnx.eval_shape(lambda: init_model(config))
-    state = nnx.state(abstract)
-    return sum(int(x.size) for x in jax.tree.leaves(state))
+    leaves = jax.tree_util.tree_flatten_with_path(nnx.state(abstract))[0]
+    return tuple((str(path[0].key), int(x.size)) for path, x in leaves)
