@@ -16,10 +16,13 @@ engine's layout; seconds of each part, median of the repeats, the arms interleav
 repeat by repeat with each arm's CPU time over its wall time.
 
 load: host memory of `glmjax.from_pretrained(path, mesh=...)` for configs/small.py on 4
-devices, in a fresh process: the peak resident set above what the loaded arrays
-themselves hold (on CPU the devices' memory is the host's, so the arrays count in full),
-against the checkpoint's size. Each shard is read and placed alone, so the excess stays
-near the largest shard, not the model.
+devices, in a fresh process: the peak above what the loaded arrays themselves hold (on
+CPU the devices' memory is the host's, so the arrays count in full), against the
+checkpoint's size; twice: the whole resident set, which includes the checkpoint's
+memory-mapped file pages that reading a slice touches (page cache, given back under
+pressure), and its anonymous part alone (memory the load allocates), sampled every 2 ms.
+Each shard is read and placed alone, so the anonymous excess stays near the largest
+shard, not the model.
 
 publish: milliseconds of `WeightStore.publish` (rl/weights.py) for configs/tiny.py and
 configs/small.py, until the published arrays are ready, median of PUBLISH_REPEATS: into
@@ -236,23 +239,29 @@ def bench_rl(repeats) -> dict:
 
 
 LOAD_CHILD = r"""
-import json, os, resource, sys
+import json, os, resource, sys, threading, time
 os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
 import jax, glmjax
 import glmjax.sharding
 from flax import nnx
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def status():  # (anonymous, file-backed) resident bytes
+    fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    return tuple(int(fields[k].split()[0]) * 1024 for k in ("RssAnon", "RssFile"))
+peaks, done = [0, 0], threading.Event()
+def sample():  # every 2 ms: the peak of each kind, which ru_maxrss cannot separate
+    while not done.is_set():
+        anon, file = status()
+        peaks[0], peaks[1] = max(peaks[0], anon), max(peaks[1], anon + file)
+        time.sleep(0.002)
 mesh = glmjax.make_mesh(fsdp=2, expert=2, devices=jax.devices()[:4])
-before = rss()
-peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+anon_before, file_before = status()
+threading.Thread(target=sample, daemon=True).start()
 model = glmjax.from_pretrained(sys.argv[1], mesh=mesh)
 jax.block_until_ready(nnx.state(model))
-after = rss()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+done.set()
 held = sum(glmjax.sharding.per_device_bytes(nnx.state(model)).values())  # every device's copy counted
-print(json.dumps(dict(rss_before=before, rss_after=after, peak=max(peak, peak_before), array_bytes=held)))
+print(json.dumps(dict(rss_before=anon_before + file_before, anon_before=anon_before, peak=peaks[1],
+                      anon_peak=peaks[0], anon_after=status()[0], array_bytes=held)))
 """
 
 
@@ -268,9 +277,13 @@ def bench_load(config) -> dict:
                              env=dict(os.environ, PYTHONPATH=str(REPO)))
     r = json.loads(out.stdout.strip().splitlines()[-1])
     excess = r["peak"] - r["rss_before"] - r["array_bytes"]
+    anon = r["anon_peak"] - r["anon_before"] - r["array_bytes"]
     return {"mesh": {"fsdp": 2, "expert": 2}, "checkpoint_bytes": size, "array_bytes": r["array_bytes"],
             "peak_rss_above_start_bytes": r["peak"] - r["rss_before"], "peak_excess_over_arrays_bytes": excess,
-            "peak_excess_over_checkpoint": excess / size}
+            "peak_excess_over_checkpoint": excess / size,
+            "peak_anonymous_above_start_bytes": r["anon_peak"] - r["anon_before"],
+            "anonymous_after_load_above_start_bytes": r["anon_after"] - r["anon_before"],
+            "peak_anonymous_excess_over_arrays_bytes": anon, "peak_anonymous_excess_over_checkpoint": anon / size}
 
 
 def main(argv=None):
@@ -305,9 +318,10 @@ def main(argv=None):
                   flush=True)
     if "load" in args.parts:
         r = results["sharded_load"] = bench_load(load("small"))
-        print(f"sharded load: checkpoint {r['checkpoint_bytes'] / 1e6:.0f} MB, peak host memory above the arrays "
-              f"{r['peak_excess_over_arrays_bytes'] / 1e6:.0f} MB ({r['peak_excess_over_checkpoint']:.2f} of it)",
-              flush=True)
+        print(f"sharded load: checkpoint {r['checkpoint_bytes'] / 1e6:.0f} MB, peak above the arrays: resident "
+              f"{r['peak_excess_over_arrays_bytes'] / 1e6:.0f} MB ({r['peak_excess_over_checkpoint']:.2f} of it), "
+              f"anonymous {r['peak_anonymous_excess_over_arrays_bytes'] / 1e6:.0f} MB "
+              f"({r['peak_anonymous_excess_over_checkpoint']:.2f})", flush=True)
     if "publish" in args.parts:
         results["publish_repeats"], results["publish"] = PUBLISH_REPEATS, {}
         for name in PUBLISH_CONFIGS:
