@@ -288,10 +288,15 @@ def _check_shape(reader: Reader, name: str, expected: tuple[int, ...]) -> None:
         raise CheckpointMismatch(f"tensor {name!r} has shape {found}, expected {tuple(expected)}")
 
 
-def _placed(shape: tuple[int, ...], placement: jax.sharding.Sharding, read: Callable) -> jax.Array:
+def _placed(shape: tuple[int, ...], placement: jax.sharding.Sharding | None, read: Callable) -> jax.Array:
     """The array `read` describes, built shard by shard in `placement`: read(index) is
     called once per distinct shard this process's devices hold, with one slice(start,
-    stop) per dimension."""
+    stop) per dimension. Placement None: the whole array on the default device,
+    uncommitted, as `init_model` makes it, so that a loaded model's programs are the
+    ones a created model compiled (a committed argument changes the program, and its key
+    in the persistent compile cache)."""
+    if placement is None:
+        return jnp.asarray(read(tuple(slice(0, n) for n in shape)))
     shards = {}
 
     def shard(index):
@@ -305,7 +310,7 @@ def _placed(shape: tuple[int, ...], placement: jax.sharding.Sharding, read: Call
 
 
 def _load_into(model: GlmForCausalLM, reader: Reader,
-               placement: Callable[[nnx.Variable], jax.sharding.Sharding]) -> set[str]:
+               placement: Callable[[nnx.Variable], jax.sharding.Sharding | None]) -> set[str]:
     """Fills every Variable of the (abstract) model from the checkpoint, each in the
     sharding `placement` gives it; returns the names of the HF tensors it used."""
     c = model.config
@@ -375,8 +380,7 @@ def from_pretrained(
 
     model = nnx.eval_shape(lambda: GlmForCausalLM(config, rngs=nnx.Rngs(params=0)))
     if mesh is None:
-        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        placement = lambda var: device  # noqa: E731
+        placement = lambda var: None  # noqa: E731
     else:
         placement = lambda var: jax.sharding.NamedSharding(mesh, sharding.variable_spec(var, mesh=mesh))  # noqa: E731
     used = _load_into(model, reader, placement)
