@@ -453,9 +453,11 @@ def _run(cfg, workdir: str, make_rollout, mesh) -> dict:
     engine = _engine(cfg, policy, mesh)
     store = engine.weights
     if mesh is not None:
-        engines = f"one engine per process on its {engine.mesh.size} devices" if processes > 1 else "the engine"
-        _say(f"policy and critic on {distributed.describe(mesh)}{f' over {processes} processes' * (processes > 1)}; "
-             f"{engines} in the {rl.get('engine_rules', 'learner')} layout")
+        where, engines = distributed.describe(mesh), "the engine"
+        if processes > 1:
+            where = f"{where} over {processes} processes"
+            engines = f"one engine per process on its {engine.mesh.size} devices"
+        _say(f"policy and critic on {where}; {engines} in the {rl.get('engine_rules', 'learner')} layout")
     driver = Driver(engine)
     compaction = _compaction(cfg)
     warmup_start = time.time()  # every prefill shape now, so that no rollout waits for a compile mid-run

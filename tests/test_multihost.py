@@ -84,7 +84,8 @@ def _checksum(workdir, step: int) -> float:
     import orbax.checkpoint as ocp
 
     path, reader = workdir / "checkpoints" / str(step) / "arrays", ocp.PyTreeCheckpointer()
-    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), reader.metadata(path).item_metadata.tree)
+    tree = reader.metadata(path).item_metadata.tree
+    as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
     arrays = reader.restore(path, restore_args=as_numpy)  # on the host: the devices that wrote it are gone
     return float(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree.leaves(arrays["policy"])))
 
