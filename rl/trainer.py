@@ -58,6 +58,7 @@ from rl.compaction import Compaction, oracle_segments
 from rl.driver import Driver
 from rl.engine import GlmEngine
 from rl.env_client import EngineClient
+from rl.job_log import JobLog, QuietLog
 from rl.learner import ALGORITHMS, Learner, ValueModel
 from rl.replay import BatchReplay
 from rl.weights import WeightStore
@@ -306,44 +307,6 @@ def check_config(cfg) -> None:
     distributed.check_job(cfg)
 
 
-class _Log:
-    """Where a step's metrics go: tensorboard, workdir/metrics.jsonl, the progress bar."""
-
-    def __init__(self, workdir: str, steps: int, initial: int):
-        from tensorboardX import SummaryWriter
-
-        self.writer = SummaryWriter(os.path.join(workdir, "tb"))
-        self.history = open(os.path.join(workdir, "metrics.jsonl"), "a")
-        self.bar = tqdm(total=steps, initial=initial, desc="SAO", mininterval=1.0)
-
-    def step(self, step: int, row: dict, metrics: dict, staleness) -> None:
-        for k, v in metrics.items():
-            self.writer.add_scalar(f"train/{k}", v, step)
-        self.history.write(json.dumps({"step": step, **row, **metrics}) + "\n")
-        self.history.flush()
-        self.writer.add_histogram("train/staleness", np.asarray(staleness), step)
-        self.bar.update(1)
-        self.bar.set_postfix(reward=f"{metrics['reward']:.2f}", vloss=f"{metrics.get('value_loss', 0):.3f}")
-
-    def eval(self, metrics: dict, step: int) -> None:
-        for k, v in metrics.items():
-            self.writer.add_scalar(f"eval/{k}", v, step)
-
-    def close(self) -> None:
-        self.bar.close()
-        self.writer.close()
-        self.history.close()
-
-
-class _Quiet:
-    """The log of a process other than the first: it writes nothing."""
-
-    def step(self, *args) -> None:
-        pass
-
-    eval = close = step
-
-
 def _scorer(cfg):
     """The reward the learner sees: the verifier's, or shaped by task complexity
     (`rl.reward_shaping`: envs/reward.py; "pass_rate" tracks each difficulty level's
@@ -478,7 +441,7 @@ def _run(cfg, workdir: str, make_rollout, mesh) -> dict:
             store.publish(nnx.state(policy), resumed["version"])
     before = resumed or {}  # the totals of the processes before this one, up to the checkpoint
     earlier = {k: before.get(k, 0.0) for k in ("wall_seconds", "warmup_seconds", "rl_seconds", "env_seconds")}
-    logs = _Log(workdir, rl.steps, learner.steps) if distributed.is_main() else _Quiet()
+    logs = JobLog(workdir, rl.steps, learner.steps) if distributed.is_main() else QuietLog()
 
     base = resumed["base_eval"] if resumed and "base_eval" in resumed else _evaluate(cfg, driver, heldout)
     _say(f"base model: held-out pass rate {base['pass_rate']:.1%} on {len(heldout)} tasks")

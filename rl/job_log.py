@@ -1,0 +1,49 @@
+"""Where the RL job's step metrics go: tensorboardX (workdir/tb), workdir/metrics.jsonl
+and a progress bar; in a job of several processes only process 0 keeps them (the others
+get a QuietLog)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+from tqdm.auto import tqdm
+
+
+class JobLog:
+    """Where a step's metrics go: tensorboard, workdir/metrics.jsonl, the progress bar."""
+
+    def __init__(self, workdir: str, steps: int, initial: int):
+        from tensorboardX import SummaryWriter
+
+        self.writer = SummaryWriter(os.path.join(workdir, "tb"))
+        self.history = open(os.path.join(workdir, "metrics.jsonl"), "a")
+        self.bar = tqdm(total=steps, initial=initial, desc="SAO", mininterval=1.0)
+
+    def step(self, step: int, row: dict, metrics: dict, staleness) -> None:
+        for k, v in metrics.items():
+            self.writer.add_scalar(f"train/{k}", v, step)
+        self.history.write(json.dumps({"step": step, **row, **metrics}) + "\n")
+        self.history.flush()
+        self.writer.add_histogram("train/staleness", np.asarray(staleness), step)
+        self.bar.update(1)
+        self.bar.set_postfix(reward=f"{metrics['reward']:.2f}", vloss=f"{metrics.get('value_loss', 0):.3f}")
+
+    def eval(self, metrics: dict, step: int) -> None:
+        for k, v in metrics.items():
+            self.writer.add_scalar(f"eval/{k}", v, step)
+
+    def close(self) -> None:
+        self.bar.close()
+        self.writer.close()
+        self.history.close()
+
+
+class QuietLog:
+    """The log of a process other than the first: it writes nothing."""
+
+    def step(self, *args) -> None:
+        pass
+
+    eval = close = step
