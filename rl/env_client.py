@@ -9,12 +9,16 @@ Text goes in and out as bytes (the tiny models' vocabulary) unless a tokenizer w
 evaluation matrix (`envs/evaluate.py`) hands it an episode's turns, which it encodes in
 the chat format the model was trained on, and the model's turn ends at a role token.
 Requests from several threads are served together when the driver runs in the background
-(`driver.start()`). `envs/` never imports this module; `rl/` depends on `envs/`,
+(`driver.start()`). Every request samples with its own seed (`seed`, `seed + 1`, ... in
+the order they arrive), so that the k samples of pass@k are k draws, not one draw k times.
+`envs/` never imports this module; `rl/` depends on `envs/`,
 not the other way round.
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
 from collections.abc import Sequence
 
 import glmjax
@@ -25,8 +29,9 @@ from rl.engine import GlmEngine
 
 
 class EngineClient:
-    def __init__(self, driver: Driver, tokenizer=None, chat=None):
+    def __init__(self, driver: Driver, tokenizer=None, chat=None, seed: int = 0):
         self.driver, self.chat = driver, chat
+        self._seeds, self._lock = itertools.count(seed), threading.Lock()
         self.encode = tokenizer.encode if tokenizer is not None else rollout.encode
         self.decode = tokenizer.decode if tokenizer is not None else rollout.decode
 
@@ -55,7 +60,9 @@ class EngineClient:
         return self.chat.decode(self._generate(tokens, min(max_tokens, room), temperature, self.chat.stop_ids))
 
     def _generate(self, tokens, max_tokens: int, temperature: float, stop_ids) -> list[int]:
-        handle = self.driver.submit(Request(list(tokens), max_tokens, temperature=temperature,
+        with self._lock:
+            seed = next(self._seeds)
+        handle = self.driver.submit(Request(list(tokens), max_tokens, temperature=temperature, seed=seed,
                                             stop_ids=tuple(stop_ids)))
         if not self.driver.running:
             self.driver.run_until_idle()

@@ -94,3 +94,6 @@ def test_engine_client_completes_through_the_driver():
     text = client.complete("sort 3 1 2=", max_tokens=5)
     expected = glmjax.generate(model, [ro.encode("sort 3 1 2=")], 5)[0, 11:]
     assert text == ro.decode(list(map(int, expected)))
+    # sampled requests draw with their own seeds: the samples of pass@k are not one sample repeated
+    samples = {client.complete("sort 3 1 2=", max_tokens=8, temperature=1.0) for _ in range(4)}
+    assert len(samples) > 1, samples
