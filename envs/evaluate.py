@@ -21,6 +21,7 @@ resamples), so a handful of tasks shows a wide interval rather than a false prec
 from __future__ import annotations
 
 import ast
+import logging
 import math
 import random
 import subprocess
@@ -38,6 +39,9 @@ CATEGORIES = {
     "code": (("code_repair", "program"), ("syntax_correctness", "logical_completeness")),
     "security": (("security",), ("vulnerability_detection", "repair")),
 }
+
+
+log = logging.getLogger(__name__)
 
 
 def heldout(category: str, n: int, seed: int = 0) -> list:
@@ -108,6 +112,9 @@ def run_sample(client: ModelClient, task, category: str, *, max_turns: int = 8, 
             env.close()
     except ModelError as err:  # a failed request is a failed sample, not a dead evaluation
         return {"reward": 0.0, **{n: 0.0 for n in names}, "error": str(err)}
+    except (OSError, ValueError, RuntimeError) as err:  # so is an environment that crashed (counted in errors)
+        log.warning("sample of %s failed in its environment: %s: %s", task.id, type(err).__name__, err)
+        return {"reward": 0.0, **{n: 0.0 for n in names}, "error": f"{type(err).__name__}: {err}"}
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:

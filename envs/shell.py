@@ -92,6 +92,9 @@ class ShellEnv:
                 if self.time_left <= 0:
                     parts.append("[agent time is up]")
                     break
+                if "\0" in command:  # no argument of a process can hold one: the model's mistake, not the sandbox's
+                    parts.append("[not run: the command holds a NUL byte]")
+                    continue
                 wall = max(min(self.sandbox.limits.wall_seconds, self.time_left), 0.1)
                 limits = self.sandbox.limits.replace(wall_seconds=wall)
                 result = self.sandbox.run(self.sandbox.rewrite(command), limits=limits,

@@ -132,3 +132,21 @@ def test_generation_with_model_agents(tmp_path, monkeypatch):
     author = ScriptedClient(lambda p: "```bash\ntrue\n```")
     reg = generate(str(tmp_path / "author"), families_n={"_test_count": 1}, author=author)
     assert reg.rejected[0]["stage"] == "judge" and "unchanged" in reg.rejected[0]["reason"]
+
+
+def test_an_environment_that_crashes_fails_one_sample(monkeypatch):
+    """The matrix goes on past a sandbox that raises: that sample scores 0 and is counted."""
+    from envs.shell import ShellEnv
+
+    tasks = {"terminal": evaluate.heldout("terminal", 2, seed=0)}
+    crashing, step = tasks["terminal"][0].id, ShellEnv.step
+
+    def flaky(env, action):
+        if env.task.id == crashing:
+            raise OSError("the sandbox's helper died")
+        return step(env, action)
+
+    monkeypatch.setattr(ShellEnv, "step", flaky)
+    report = evaluate.evaluate(OracleClient(tasks["terminal"]), tasks=tasks, categories=["terminal"], model="oracle")
+    entry = report["categories"]["terminal"]
+    assert entry["errors"] == 1 and entry["pass_at_k"]["pass@1"]["value"] == pytest.approx(0.5)

@@ -37,8 +37,10 @@ def test_shell_episode():
     assert obs.startswith("a\nb\nc\n") and "[exit 0" in obs and (r, done) == (0.0, False)
     obs, r, done, info = env.step("no tags here")
     assert "no command run" in obs and not done
+    obs, r, done, info = env.step("<bash>cat in\0.txt</bash>")  # a sampled NUL byte: no process can take it
+    assert "NUL" in obs and not done
     obs, r, done, info = env.step("<bash>wc -l < in.txt > n.txt</bash><submit/>")
-    assert done and r == 1.0 and info["submitted"] and info["actions"] == 3 and info["parsed"] == 2
+    assert done and r == 1.0 and info["submitted"] and info["actions"] == 4 and info["parsed"] == 3
     text = env.transcript.render()
     assert "<output>" in text and env.transcript.reward == 1.0
     assert '"reward": 1.0' in env.transcript.to_json()
