@@ -3,7 +3,7 @@ and the DSA dense warm-up of the indexer.
 
 Numbers measured on a 2-core CPU (fp32 unless said), held-out LM loss on the two-lag
 Markov corpus: chance ln(256) = 5.55, floor (its entropy) 0.64.
-  * sparse-stage training, 200 steps at lr 6e-3: fp32 5.56 -> 1.14, bf16 5.56 -> 1.18.
+  * sparse-stage training, 200 steps at lr 6e-3: fp32 5.56 -> 1.14; bf16 (two layers) -> 1.28.
   * then a fresh top-8-of-64 indexer, 30 warm-up steps: the share of the attention mass its
     top-8 captures 0.30 -> 0.69, where the best 8 keys hold 0.69; KL 1.60 -> 0.004.
 """
@@ -146,8 +146,9 @@ def test_fp32_training_learns_the_corpus(trained):
 
 
 def test_bf16_training_learns_the_corpus(corpus):
-    run = _train(TINY.replace(dtype="bfloat16"), corpus)
-    assert run.final < 2.0, run.history[::20]  # measured 1.18
+    # two layers (one full indexer, one shared): bf16 on a CPU is emulated, and four cost 175 s
+    run = _train(TINY.replace(dtype="bfloat16", num_hidden_layers=2, index_topk_pattern="FS"), corpus)
+    assert run.final < 2.0, run.history[::20]  # measured 1.28
 
 
 def test_indexer_warmup_raises_topk_recall_and_freezes_the_rest(trained, corpus):
