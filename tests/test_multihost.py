@@ -50,6 +50,9 @@ def test_two_processes_match_one(tmp_path):
 
 # The SAO job over two processes ------------------------------------------------------------
 MESH = ["--config.mesh.fsdp=4", "--config.mesh.expert=2"]
+# two layers (one full indexer, one shared): a second process cannot read the first one's
+# compile cache (XLA:CPU's compile options name the process), so every launch compiles
+TWO_LAYERS = ["model.num_hidden_layers=2", "model.index_topk_pattern=FS"]
 
 
 def _job(workdir, num_processes: int, *extra) -> list[subprocess.CompletedProcess]:
@@ -60,7 +63,8 @@ def _job(workdir, num_processes: int, *extra) -> list[subprocess.CompletedProces
 
     port, env = str(_free_port()), _env()
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // num_processes}"
-    procs = [subprocess.Popen(_cmd(workdir, *MESH, "--config.rl.steps=3", *extra,
+    layers = [f"--config.{o}" for o in TWO_LAYERS]
+    procs = [subprocess.Popen(_cmd(workdir, *MESH, *layers, "--config.rl.steps=3", *extra,
                                    f"--config.distributed.num_processes={num_processes}",
                                    f"--config.distributed.process_id={i}",
                                    f"--config.distributed.coordinator=127.0.0.1:{port}"),
@@ -91,14 +95,15 @@ def _checksum(workdir, step: int) -> float:
 
 
 def _base(workdir) -> None:
-    """The main job's own base model (configs/sao_tiny.py's SFT, which solves some held-out
-    tasks, so that rewards, advantages and updates are not all zero), trained on one device
-    in this process and cached in workdir/base."""
+    """The main job's own base model (configs/sao_tiny.py's SFT on two layers, which solves
+    some held-out tasks, so that rewards, advantages and updates are not all zero), trained
+    on one device in this process and cached in workdir/base."""
     from glmjax import presets
     from rl import trainer
     from tests.test_trainer import REPO
 
-    cfg = presets.load_config(REPO / "configs" / "sao_tiny.py", ["base.demonstrations=1000"])
+    overrides = ["base.demonstrations=1000", "base.steps=150", *TWO_LAYERS]  # held out: 25% of 8
+    cfg = presets.load_config(REPO / "configs" / "sao_tiny.py", overrides)
     trainer.build_base(cfg, str(workdir))
 
 
