@@ -50,21 +50,19 @@ def test_two_processes_match_one(tmp_path):
 
 # The SAO job over two processes ------------------------------------------------------------
 MESH = ["--config.mesh.fsdp=4", "--config.mesh.expert=2"]
-# two layers (one full indexer, one shared): a second process cannot read the first one's
-# compile cache (XLA:CPU's compile options name the process), so every launch compiles
-TWO_LAYERS = ["model.num_hidden_layers=2", "model.index_topk_pattern=FS"]
 
 
 def _job(workdir, num_processes: int, *extra) -> list[subprocess.CompletedProcess]:
-    """`glmjax-train` on the tiny main job (tests/test_trainer.py's SMALL size, 3 steps)
-    over 8 CPU devices: one process of 8, or `num_processes` of 8 / num_processes each
-    talking gloo through a coordinator on this machine."""
+    """`glmjax-train` on the tiny main job (tests/test_trainer.py's SMALL size, two layers,
+    3 steps) over 8 CPU devices: one process of 8, or `num_processes` of 8 / num_processes
+    each talking gloo through a coordinator on this machine. Every launch compiles: a
+    second process cannot read the first one's compile cache (XLA:CPU's compile options
+    name the process)."""
     from tests.test_trainer import REPO, _cmd, _env
 
     port, env = str(_free_port()), _env()
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // num_processes}"
-    layers = [f"--config.{o}" for o in TWO_LAYERS]
-    procs = [subprocess.Popen(_cmd(workdir, *MESH, *layers, "--config.rl.steps=3", *extra,
+    procs = [subprocess.Popen(_cmd(workdir, *MESH, "--config.rl.steps=3", *extra,
                                    f"--config.distributed.num_processes={num_processes}",
                                    f"--config.distributed.process_id={i}",
                                    f"--config.distributed.coordinator=127.0.0.1:{port}"),
@@ -100,7 +98,7 @@ def _base(workdir) -> None:
     on one device in this process and cached in workdir/base."""
     from glmjax import presets
     from rl import trainer
-    from tests.test_trainer import REPO
+    from tests.test_trainer import REPO, TWO_LAYERS
 
     overrides = ["base.demonstrations=1000", "base.steps=150", *TWO_LAYERS]  # held out: 25% of 8
     cfg = presets.load_config(REPO / "configs" / "sao_tiny.py", overrides)

@@ -15,7 +15,9 @@ from flax import nnx
 import glmjax
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-SMALL = ["--config.base.steps=10", "--config.base.demonstrations=200", "--config.task.eval_tasks=8",
+# two layers (a full indexer and a shared one) compile in half the time of four
+TWO_LAYERS = ["model.num_hidden_layers=2", "model.index_topk_pattern=FS"]
+SMALL = [*(f"--config.{o}" for o in TWO_LAYERS), "--config.base.steps=10", "--config.base.demonstrations=200", "--config.task.eval_tasks=8",
          "--config.task.train_tasks=200", "--config.rl.steps=4", "--config.rl.batch_size=8", "--config.rl.slots=8",
          "--config.rl.eta=0", "--config.rl.critic_warmup=1", "--config.checkpoint_every=2",
          "--config.rl.warmup_compile=False"]
@@ -143,7 +145,7 @@ def test_reward_shaping_replay_and_augmentation_run_inside_the_job(tmp_path):
     assert any("-aug" in t for r in rows for t in r["tasks"])
 
 
-AGENT = ["--config.task.train_tasks=24", "--config.task.eval_tasks=8", "--config.base.demonstrations=24",
+AGENT = [*(f"--config.{o}" for o in TWO_LAYERS), "--config.task.train_tasks=24", "--config.task.eval_tasks=8", "--config.base.demonstrations=24",
          "--config.base.steps=4", "--config.rl.steps=4", "--config.rl.batch_size=4", "--config.rl.slots=4",
          "--config.rl.eta=0", "--config.rl.critic_warmup=1", "--config.checkpoint_every=2",
          "--config.rl.warmup_compile=False", "--config.eval.matrix_tasks=4", "--config.eval.samples=2",
