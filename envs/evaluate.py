@@ -110,10 +110,9 @@ def run_sample(client: ModelClient, task, category: str, *, max_turns: int = 8, 
             return metrics
         finally:
             env.close()
-    except ModelError as err:  # a failed request is a failed sample, not a dead evaluation
-        return {"reward": 0.0, **{n: 0.0 for n in names}, "error": str(err)}
-    except (OSError, ValueError, RuntimeError) as err:  # so is an environment that crashed (counted in errors)
-        log.warning("sample of %s failed in its environment: %s: %s", task.id, type(err).__name__, err)
+    except (ModelError, OSError, ValueError, RuntimeError) as err:
+        # a failed request or a crashed environment is a failed sample (counted in errors), not a dead evaluation
+        log.warning("sample of %s failed: %s: %s", task.id, type(err).__name__, err)
         return {"reward": 0.0, **{n: 0.0 for n in names}, "error": f"{type(err).__name__}: {err}"}
 
 

@@ -18,7 +18,6 @@ not the other way round.
 from __future__ import annotations
 
 import itertools
-import threading
 from collections.abc import Sequence
 
 import glmjax
@@ -31,7 +30,7 @@ from rl.engine import GlmEngine
 class EngineClient:
     def __init__(self, driver: Driver, tokenizer=None, chat=None, seed: int = 0):
         self.driver, self.chat = driver, chat
-        self._seeds, self._lock = itertools.count(seed), threading.Lock()
+        self._seeds = itertools.count(seed)  # next() on a count is atomic: threads draw distinct seeds
         self.encode = tokenizer.encode if tokenizer is not None else rollout.encode
         self.decode = tokenizer.decode if tokenizer is not None else rollout.decode
 
@@ -60,9 +59,7 @@ class EngineClient:
         return self.chat.decode(self._generate(tokens, min(max_tokens, room), temperature, self.chat.stop_ids))
 
     def _generate(self, tokens, max_tokens: int, temperature: float, stop_ids) -> list[int]:
-        with self._lock:
-            seed = next(self._seeds)
-        handle = self.driver.submit(Request(list(tokens), max_tokens, temperature=temperature, seed=seed,
+        handle = self.driver.submit(Request(list(tokens), max_tokens, temperature=temperature, seed=next(self._seeds),
                                             stop_ids=tuple(stop_ids)))
         if not self.driver.running:
             self.driver.run_until_idle()
