@@ -37,7 +37,7 @@ import numpy as np
 
 from rl.engine import GlmEngine
 from rl.prefix_cache import PrefixCache
-from rl.sampling import SamplingParams
+from glmjax.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ class Request:
 @dataclasses.dataclass
 class Result:
     tokens: list[int]
-    log_probs: list[float]  # behaviour-policy log-prob of each token (rl/sampling.py)
+    log_probs: list[float]  # behaviour-policy log-prob of each token (glmjax/sampling.py)
     versions: list[int]  # the WeightStore version that produced each token
     finish_reason: str  # "stop" | "length" | "cancelled" | "error"
     prompt_tokens: int = 0

@@ -20,7 +20,9 @@ methods). Differences that callers see:
   * Additions: `prefill_batch` / `insert_batch` (several requests in one call),
     `generate_rows` (a step over the first n slots), `extract` (a slot's cache as a
     batch-1 KVCache, for prefix reuse), `free` (stop a slot), `move` (a slot into another).
-Scheduling (queue, slots, stop conditions, prefix reuse) is rl/driver.py's.
+Scheduling (queue, slots, stop conditions, prefix reuse) is rl/driver.py's. The forward
+and sampling of a prefill and of a step are glmjax/decoding.py's, the functions
+glmjax.generate runs.
 
 Decode state: one batch of `max_concurrent_decodes` slots with the latent cache
 [B, max_len, C], rope keys, indexer keys and lengths (glmjax.KVCache), each slot's pending
@@ -42,10 +44,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx, struct
 
-from glmjax import sharding
+from glmjax import decoding, sharding
 from glmjax.cache import KVCache
+from glmjax.sampling import SamplingParams, split_keys, token_logprobs
 from rl import speculative
-from rl.sampling import SamplingParams, sample, sampling_logprobs, split_keys, token_logprobs
 from rl.weights import Weights, WeightStore, has_shardings
 
 try:  # google-jetstream 0.2.2; its engine_api imports seqio (TensorFlow), so usually absent
@@ -383,17 +385,11 @@ class GlmEngine(_Engine):
         """ids [n, T] after cache [n, S]; true_length, temperature, top_k, keys [n]."""
         model = self._model(leaves)
         start = cache.lengths  # [n]
-        out = model(ids, cache=cache)
-        logits, hidden, cache, topk = out.logits, out.hidden, out.cache, out.topk
-        cache = cache._replace(lengths=start + true_length)
-        last = true_length - 1
         keys, subs = split_keys(keys, 1 + self.num_draft)
-        step_logits = logits[jnp.arange(ids.shape[0]), last]  # [n, N]
-        logp = sampling_logprobs(step_logits, temperature, top_k, self.max_top_k)
-        token = sample(subs[0], logp)
-        log_prob = token_logprobs(step_logits, logp, token, temperature)
-        drafts, draft_logp, cache = self._draft(model, cache, hidden, ids, token, topk, start, last, temperature,
-                                                top_k, subs[1:])
+        out, cache, token, log_prob = decoding.prefill(model, cache, ids, true_length, temperature, top_k, subs[0],
+                                                       self.max_top_k)
+        drafts, draft_logp, cache = self._draft(model, cache, out.hidden, ids, token, out.topk, start,
+                                                true_length - 1, temperature, top_k, subs[1:])
         prefix = Prefix(cache, token, log_prob, jnp.full(token.shape, version), drafts, draft_logp, temperature,
                         top_k, keys)
         return jax.lax.with_sharding_constraint(prefix, self._prefix_shardings(prefix))
@@ -547,9 +543,8 @@ class GlmEngine(_Engine):
         k = self.num_draft
         fed = jnp.concatenate([state.tokens[:, None], state.drafts], axis=1)  # [B, K+1]
         start = state.cache.lengths
-        out = model(fed, cache=state.cache)
+        out, target_logp = decoding.step(model, state.cache, fed, state.temperature, state.top_k, self.max_top_k)
         logits, hidden, cache, topk = out.logits, out.hidden, out.cache, out.topk
-        target_logp = sampling_logprobs(logits, state.temperature, state.top_k, self.max_top_k)
         rng, subs = split_keys(state.rng, 2 + k)
         accepted, tokens = speculative.accept(target_logp, state.draft_logp, state.drafts, subs[0], subs[1])
         active = state.active

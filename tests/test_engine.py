@@ -11,7 +11,7 @@ import glmjax
 from rl import engine as engine_lib
 from rl.driver import Driver, Request
 from rl.engine import GlmEngine, Prefix, ResultTokens
-from rl.sampling import SamplingParams
+from glmjax.sampling import SamplingParams
 from tests.engine_util import TINY, greedy_reference, prompts
 
 SLOTS, MAX_LEN, BUCKETS = 2, 64, (8, 16)

@@ -12,7 +12,7 @@ import glmjax
 from rl import serve
 from rl.driver import Driver, Request
 from rl.engine import GlmEngine
-from rl.sampling import SamplingParams
+from glmjax.sampling import SamplingParams
 from glmjax.cache import KVCache
 from glmjax.train import mtp_draft_logits, mtp_loss
 from rl.speculative import accept

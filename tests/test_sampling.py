@@ -1,11 +1,11 @@
-"""rl/sampling.py: the inverse-CDF sampler draws from exp(logp), never from a zero entry."""
+"""glmjax/sampling.py: the inverse-CDF sampler draws from exp(logp), never from a zero entry."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from scipy import stats
 
-from rl.sampling import SAMPLE_BLOCK, sample, sampling_logprobs
+from glmjax.sampling import SAMPLE_BLOCK, sample, sampling_logprobs
 
 DRAWS = 200_000
 

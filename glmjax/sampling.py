@@ -1,13 +1,14 @@
-"""Per-slot sampling for the rollout engine: temperature, top-k, a random key per slot.
+"""Per-row sampling for decoding (glmjax/decoding.py): temperature, top-k, a random key per row.
 
-Every slot of a decode batch carries its own settings, so one compiled step serves greedy
-and sampled requests side by side. `sampling_logprobs` turns logits into the log of the
-distribution a slot samples from; greedy slots get a one-hot distribution at the argmax,
-which lets speculative decoding use one rejection rule for both (rl/speculative.py).
+Every row of a decode batch carries its own settings, so one compiled step serves greedy
+and sampled requests side by side (the rollout engine's slots). `sampling_logprobs` turns
+logits into the log of the distribution a row samples from; greedy rows get a one-hot
+distribution at the argmax, which lets speculative decoding use one rejection rule for
+both (rl/speculative.py).
 
 The log-prob reported for a token (`token_logprobs`) is the one the learner needs as the
 behaviour policy: log softmax(logits / T) with top-k applied when sampled; for greedy
-slots (T = 0) the plain log softmax(logits) of the chosen token.
+rows (T = 0) the plain log softmax(logits) of the chosen token.
 """
 
 from __future__ import annotations
