@@ -13,10 +13,11 @@ router utilisation and the cost of publishing weights. All in one run, JSON out.
   `*_steady_*`: decode alone, the same way on both sides: (time for --new-tokens tokens
   less the time for 1) over new_tokens - 1, so prefill drops out.
   `*_floor_*`: the fastest any implementation could run the same workload here, from this
-  run's measured matmul rate and memory bandwidth: prefill's matmul FLOPs at the matmul
-  rate, then per decode step the larger of its FLOPs at that rate and its weight bytes
-  (non-expert weights plus the experts a batch touches under uniform routing) at the
-  bandwidth. Attention over the cache is left out, so the floor is optimistic.
+  run's measured matmul rate and read bandwidth (benchmarks/floor.py): prefill's FLOPs at
+  the matmul rate, then per decode step the larger of its FLOPs at that rate and its bytes
+  (non-expert weights, the experts a batch touches under uniform routing, the cache rows)
+  at the bandwidth. `decode_b*_over_floor`: steady decode over the steady floor;
+  `prefill_b*_over_floor`: the prefill floor over the time of prefill and one token.
 * mtp: configs/tiny.py trained --mtp-steps steps on the two-lag Markov corpus of
   glmjax/train.py (LM + depth-1 MTP loss + the DSA sparse stage); then, per draft mode
   ("own" MTP cache, "shared" main-model latents and top-k: rl/speculative.py), a copy
@@ -24,6 +25,9 @@ router utilisation and the cost of publishing weights. All in one run, JSON out.
   (glmjax/train.py's multi-depth `mtp_loss`, only the MTP layer trainable). Greedy decoding of held-out prompts at batch 1 with 5 drafts:
   accepted drafts per step (0..5; tokens per step is that plus one) and tokens/s against
   the same engine without drafts.
+* mtp_main_job: the same speculation on the main job's own base model (configs/sao_tiny.py,
+  its SFT base trained here) over its held-out prompts, sampled at the RL temperature, at
+  the job's serving batch and at batch 1: `mtp_accept_len_main_job` and the speedup.
 * quant: rl/quant.py's weight-only quantization of the routed experts (bf16, int8, int4)
   against the fp32 weights: on the MTP section's trained tiny model, the logit error and
   top-1 agreement on held-out sequences and the share of greedy tokens that match; on
@@ -37,7 +41,8 @@ router utilisation and the cost of publishing weights. All in one run, JSON out.
   workload drains, whatever the scheduler.
 * publish: WeightStore.publish of the tiny and the small model's parameters.
 Decode times are the best of --repeats runs on each side (the machine is shared);
-publish times are medians. Nothing here asserts on time.
+publish times are medians. --profile DIR writes a JAX profiler trace of the engine's
+decode at each batch. Nothing here asserts on time.
 """
 
 from __future__ import annotations
@@ -61,7 +66,9 @@ from flax import nnx
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
+import floor  # noqa: E402
 import glmjax  # noqa: E402
 from glmjax import presets, train  # noqa: E402
 from rl.driver import Driver, Request  # noqa: E402
@@ -103,13 +110,16 @@ def bench_decode(args, results: dict) -> None:
     results["decode_dtype_transformers"] = "params float32, compute float32"
     rng = np.random.default_rng(0)
     n = args.new_tokens
-    ceiling = _machine_ceiling(results)
+    ceiling = results["ceiling"] = floor.measure_ceiling()
+    results["machine_matmul_gflops"], results["machine_read_gb_per_s"] = ceiling["matmul_gflops"], ceiling["read_gb_per_s"]
     for b in args.batches:
         prompts = rng.integers(2, config.vocab_size, (b, PROMPT_LEN))
         engine = GlmEngine(model, max_concurrent_decodes=b, max_len=PROMPT_LEN + n + 1, prefill_buckets=(PROMPT_LEN,))
         driver = Driver(engine)
         requests = [Request(list(map(int, p)), n) for p in prompts]
         _run(driver, requests)  # compile
+        with floor.profile(args.profile, f"engine_decode_b{b}"):
+            _run(driver, requests)
         ours, t_ours = min((_run(driver, requests) for _ in range(args.repeats)), key=lambda r: r[1])
 
         tp = torch.tensor(prompts)
@@ -132,10 +142,15 @@ def bench_decode(args, results: dict) -> None:
         results[f"decode_b{b}_steady_tokens_per_s"] = steady
         results[f"hf_decode_b{b}_steady_tokens_per_s"] = hf_steady
         results[f"decode_b{b}_steady_speedup_vs_hf"] = steady / hf_steady
-        floor = _floor_seconds(model, b, PROMPT_LEN, n, ceiling)
-        results[f"decode_b{b}_floor_tokens_per_s"] = b * n / floor
+        whole = floor.prefill_floor(config, b, PROMPT_LEN, ceiling) + floor.decode_floor(config, b, PROMPT_LEN, n,
+                                                                                       ceiling)
+        steady_floor = b * (n - 1) / floor.decode_floor(config, b, PROMPT_LEN, n, ceiling)
+        results[f"decode_b{b}_floor_tokens_per_s"] = b * n / whole
+        results[f"decode_b{b}_steady_floor_tokens_per_s"] = steady_floor
+        results[f"decode_b{b}_over_floor"] = steady / steady_floor
+        results[f"prefill_b{b}_over_floor"] = floor.prefill_floor(config, b, PROMPT_LEN, ceiling) / t_ours_1
         if b in HF_QUIET_TOKENS_PER_S:
-            results[f"decode_b{b}_floor_over_hf_quiet_figure"] = b * n / floor / HF_QUIET_TOKENS_PER_S[b]
+            results[f"decode_b{b}_floor_over_hf_quiet_figure"] = b * n / whole / HF_QUIET_TOKENS_PER_S[b]
         hf_tokens = hf_out[:, PROMPT_LEN:].numpy()
         agree = np.mean([np.mean(np.array(r.tokens) == h) for r, h in zip(ours, hf_tokens)])
         results[f"decode_b{b}_tokens_per_s"] = b * n / t_ours
@@ -146,46 +161,8 @@ def bench_decode(args, results: dict) -> None:
             results[f"decode_b{b}_speedup_vs_hf_quiet_figure"] = b * n / t_ours / HF_QUIET_TOKENS_PER_S[b]
         print(f"decode b{b}: glmjax {b * n / t_ours:8.1f} tok/s   transformers {b * n / t_hf:8.1f} tok/s   "
               f"speedup {t_hf / t_ours:.2f}x   greedy agreement {agree:.3f}   steady {steady:.1f} vs "
-              f"{hf_steady:.1f} tok/s = {steady / hf_steady:.2f}x   floor {b * n / floor:.1f} tok/s", flush=True)
-
-
-def _machine_ceiling(results: dict) -> dict:
-    """This run's fp32 matmul rate (jit 2048^3) and read bandwidth (sum of 400 MB)."""
-    def best(f, *xs, repeats=10):
-        jax.block_until_ready(f(*xs))
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(f(*xs))
-            times.append(time.perf_counter() - start)
-        return min(times)
-
-    a = jax.random.normal(jax.random.key(0), (2048, 2048))
-    flops = 2 * 2048 ** 3 / best(jax.jit(lambda a: a @ a), a)
-    big = jnp.ones((100_000_000,), jnp.float32)
-    bandwidth = big.nbytes / best(jax.jit(jnp.sum), big)
-    del big
-    results["machine_matmul_gflops"], results["machine_read_gb_per_s"] = flops / 1e9, bandwidth / 1e9
-    return {"flops": flops, "bandwidth": bandwidth}
-
-
-def _floor_seconds(model, batch: int, prompt: int, new: int, ceiling: dict) -> float:
-    """The workload's lower bound (module docstring): prefill compute + per-step max(compute, weight reads)."""
-    c = model.config
-    dense = expert = 0
-    for path, leaf in jax.tree_util.tree_leaves_with_path(nnx.state(model, nnx.Param)):
-        names = [str(getattr(k, "key", k)) for k in path]
-        if "embed_tokens" in names:
-            continue  # a lookup, not a matmul
-        if "experts" in names:
-            expert += leaf.size * leaf.dtype.itemsize
-        else:
-            dense += leaf.size * leaf.dtype.itemsize
-    itemsize = jnp.dtype(c.param_dtype).itemsize
-    flops_per_token = 2 * (dense + expert * c.num_experts_per_tok / c.n_routed_experts) / itemsize
-    touched = 1 - (1 - c.num_experts_per_tok / c.n_routed_experts) ** batch  # share of experts a step reads
-    step = max(batch * flops_per_token / ceiling["flops"], (dense + expert * touched) / ceiling["bandwidth"])
-    return batch * prompt * flops_per_token / ceiling["flops"] + (new - 1) * step
+              f"{hf_steady:.1f} tok/s = {steady / hf_steady:.2f}x   {steady / steady_floor:.2f} of the steady floor "
+              f"({steady_floor:.0f} tok/s)", flush=True)
 
 
 # MTP speculation -------------------------------------------------------------------------
@@ -255,6 +232,59 @@ def bench_mtp(args, results: dict) -> None:
         print(f"mtp {mode:6s}: {accepted:.2f} of {args.num_draft} drafts accepted per step, {tps:7.1f} tok/s "
               f"vs {plain_tps:7.1f} plain = {tps / plain_tps:.2f}x, identical greedy output: {outs == plain}",
               flush=True)
+
+
+def bench_mtp_main_job(args, results: dict) -> None:
+    """MTP drafts of the main job's own base model (configs/sao_tiny.py: its SFT base, whose
+    MTP layer trained beside the LM loss at depth 1) on its held-out prompts, sampled at the
+    RL temperature: accepted drafts per step and tokens/s against the same engine without
+    drafts, with every prompt in flight at once as the job serves them, and at batch 1
+    (--mtp-prompts of them, one at a time)."""
+    from rl import rollout as ro, tasks as rl_tasks, trainer
+
+    cfg = presets.load_config(REPO / "configs" / "sao_tiny.py")
+    with tempfile.TemporaryDirectory() as tmp:
+        model = trainer.build_base(cfg, tmp)
+        _, heldout, _ = rl_tasks.task_sets(cfg, tmp)
+    heldout = heldout[:args.mtp_main_prompts]
+    requests = [Request(ro.encode(t.prompt), cfg.task.max_new_tokens, temperature=float(cfg.rl.temperature), seed=i,
+                        stop_ids=rl_tasks.STOP) for i, t in enumerate(heldout)]
+    bucket = max(len(r.prompt) for r in requests)
+    max_len = bucket + cfg.task.max_new_tokens + args.num_draft + 2
+
+    def measure(num_draft, batch):
+        """tokens/s and accepted drafts per step with `batch` slots, the requests in waves of batch."""
+        engine = GlmEngine(model, max_concurrent_decodes=batch, max_len=max_len, prefill_buckets=(bucket,),
+                           num_draft=num_draft)
+        driver = Driver(engine)
+        work = requests if batch > 1 else requests[:args.mtp_prompts]
+        waves = [work[i:i + batch] for i in range(0, len(work), batch)]
+        _run(driver, waves[0])  # compile
+        driver.stats.clear()
+        best = None
+        for _ in range(args.repeats):
+            outs, seconds = [], 0.0
+            for wave in waves:
+                out, t = _run(driver, wave)
+                outs += out
+                seconds += t
+            tps = sum(len(o.tokens) for o in outs) / seconds
+            best = tps if best is None else max(best, tps)
+        return best, driver.stats["accepted_drafts"] / max(driver.stats["busy_slot_steps"], 1)
+
+    results["mtp_main_job_workload"] = {"config": "configs/sao_tiny.py", "prompts": len(requests),
+                                        "prompts_at_batch_1": min(len(requests), args.mtp_prompts),
+                                        "temperature": float(cfg.rl.temperature), "num_draft": args.num_draft,
+                                        "max_new_tokens": int(cfg.task.max_new_tokens)}
+    for batch, key in ((len(requests), ""), (1, "_b1")):
+        plain_tps, _ = measure(0, batch)
+        tps, accepted = measure(args.num_draft, batch)
+        results[f"mtp_accept_len_main_job{key}"] = accepted
+        results[f"mtp_tokens_per_s_main_job{key}"] = tps
+        results[f"mtp_plain_tokens_per_s_main_job{key}"] = plain_tps
+        results[f"mtp_speedup_main_job{key}"] = tps / plain_tps
+        print(f"mtp on the main job's base, batch {batch}: {accepted:.2f} of {args.num_draft} drafts accepted per "
+              f"step, {tps:.0f} tok/s vs {plain_tps:.0f} plain = {tps / plain_tps:.2f}x", flush=True)
 
 
 # Weight-only quantization -------------------------------------------------------------
@@ -390,8 +420,8 @@ def bench_publish(args, results: dict) -> None:
         print(f"publish {name} ({size / 2**20:.1f} MiB): {1e3 * statistics.median(times):.4f} ms", flush=True)
 
 
-SECTIONS = {"decode": bench_decode, "mtp": bench_mtp, "quant": bench_quant, "router": bench_router,
-            "publish": bench_publish}
+SECTIONS = {"decode": bench_decode, "mtp": bench_mtp, "mtp_main_job": bench_mtp_main_job, "quant": bench_quant,
+            "router": bench_router, "publish": bench_publish}
 
 
 def main(argv=None):
@@ -406,6 +436,8 @@ def main(argv=None):
     parser.add_argument("--draft-steps", type=int, default=200, help="MTP fine-tuning steps per draft mode")
     parser.add_argument("--mtp-prompts", type=int, default=6)
     parser.add_argument("--mtp-new-tokens", type=int, default=96)
+    parser.add_argument("--mtp-main-prompts", type=int, default=64, help="held-out prompts of the main job")
+    parser.add_argument("--profile", default=None, help="write a JAX profiler trace of the engine's decode under DIR")
     parser.add_argument("--router-requests", type=int, default=160)
     parser.add_argument("--router-median", type=float, default=24.0)
     parser.add_argument("--router-sigma", type=float, default=0.75)

@@ -150,6 +150,32 @@ def clock(fn: Callable) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
+def starved(runs: list[tuple[float, float]]) -> list[bool]:
+    """Which of an arm's (wall, CPU) runs were starved of the cores (module docstring)."""
+    fastest = min(w for w, _ in runs)
+    best_ratio = max(c / w for w, c in runs)
+    return [w > 1.3 * fastest and c / w < 0.75 * best_ratio for w, c in runs]
+
+
+def rerun_starved(runs: list[tuple[float, float]], run: Callable[[], tuple[float, float]],
+                  reruns: int = 2) -> tuple[list[tuple[float, float]], int]:
+    """Replaces starved runs by new ones from `run` (it returns (wall, CPU)), at most
+    `reruns` times. Returns (the runs kept, how many were run again)."""
+    extra = 0
+    while extra < reruns:
+        flags = starved(runs)
+        if not any(flags):
+            break
+        runs = [r for r, bad in zip(runs, flags) if not bad] + [run()]
+        extra += 1
+    return runs, extra
+
+
+def summary(runs: list[tuple[float, float]], extra: int) -> dict:
+    return {"seconds": statistics.median(w for w, _ in runs), "cpu_seconds": statistics.median(c for _, c in runs),
+            "cpu_over_wall": statistics.median(c / w for w, c in runs), "runs": len(runs), "reruns": extra}
+
+
 def interleaved(arms: dict[str, Callable], repeats: int, *, reruns: int = 2) -> dict:
     """Each arm once per repeat, in turn (module docstring). Returns per arm
     {"seconds": median wall, "cpu_seconds": median CPU, "cpu_over_wall", "runs", "reruns"}.
@@ -158,22 +184,7 @@ def interleaved(arms: dict[str, Callable], repeats: int, *, reruns: int = 2) -> 
     for _ in range(repeats):
         for name, fn in arms.items():
             runs[name].append(clock(fn))
-    out = {}
-    for name, fn in arms.items():
-        extra = 0
-        while extra < reruns:
-            fastest = min(w for w, _ in runs[name])
-            best_ratio = max(c / w for w, c in runs[name])
-            kept = [(w, c) for w, c in runs[name] if not (w > 1.3 * fastest and c / w < 0.75 * best_ratio)]
-            if len(kept) == len(runs[name]):
-                break
-            runs[name] = kept + [clock(fn)]
-            extra += 1
-        walls, cpus = [w for w, _ in runs[name]], [c for _, c in runs[name]]
-        out[name] = {"seconds": statistics.median(walls), "cpu_seconds": statistics.median(cpus),
-                     "cpu_over_wall": statistics.median(c / w for w, c in runs[name]), "runs": len(walls),
-                     "reruns": extra}
-    return out
+    return {name: summary(*rerun_starved(runs[name], lambda fn=fn: clock(fn), reruns)) for name, fn in arms.items()}
 
 
 @contextlib.contextmanager
