@@ -183,4 +183,7 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    import floor
+
+    floor.main_with_profile(main, "agent_bench")  # --profile DIR: a JAX profiler trace of the run

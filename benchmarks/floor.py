@@ -196,3 +196,18 @@ def profile(directory: str | None, name: str):
         return
     with jax.profiler.trace(f"{directory}/{name}", create_perfetto_trace=True):
         yield
+
+
+def main_with_profile(main: Callable, name: str) -> None:
+    """Runs a benchmark's main() with `--profile DIR` taken off the command line, under a
+    JAX profiler trace of the whole run in DIR/name (for the scripts that do not trace
+    their arms one by one)."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--profile", default=None)
+    known, rest = parser.parse_known_args(sys.argv[1:])
+    sys.argv[1:] = rest
+    with profile(known.profile, name):
+        main()

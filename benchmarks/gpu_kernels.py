@@ -19,6 +19,7 @@ import argparse
 import dataclasses
 import json
 import pathlib
+import sys
 import statistics
 import time
 from collections.abc import Callable
@@ -244,4 +245,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    import floor
+
+    floor.main_with_profile(main, "gpu_kernels")  # --profile DIR: a JAX profiler trace of the run

@@ -24,6 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
+import sys
 import statistics
 import tempfile
 import time
@@ -149,4 +151,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    import floor
+
+    floor.main_with_profile(main, "opd_bench")  # --profile DIR: a JAX profiler trace of the run

@@ -14,6 +14,12 @@ Rollouts sample at temperature 0.5: at 0.7 the base's samples are right a tenth 
 time against a fifth at greedy, and few positives reach the learner; at 0.5 a sample is
 right more often while 70% of the held-out tasks still have a right answer within 16
 samples, so exploration remains.
+
+MTP speculation in the rollouts: `--config.rl.num_draft=3` drafts that many tokens per
+decode step with the policy's own MTP layer (the summary gives `mtp_accept_len`), and
+`--config.rl.mtp_lr=1e-3` keeps that layer trained on the rollouts (rl/learner.py, step 5).
+Off here: on the tiny model a draft step costs about what it saves
+(`mtp_speedup_main_job` in results/engine_bench.json).
 """
 
 import os
@@ -47,6 +53,7 @@ def get_config(arg=None):
         actor_warmup=0,
         # generation pauses while a complete next batch waits: the engine and the learner share the machine
         generation_yields=True,
+        num_draft=0, mtp_lr=0.0,
         # compile every prefill and decode shape before the loop (off: each compiles when first used)
         warmup_compile=True,
         # reward by task complexity (envs/reward.py): "none", "difficulty" or "pass_rate"

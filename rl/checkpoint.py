@@ -1,10 +1,11 @@
 """Checkpoints of the RL loop: everything a killed run needs to continue exactly.
 
 One orbax `CheckpointManager` (asynchronous saves, the newest `keep` retained) holds, per
-step: the policy and critic parameters (and router biases), both optimizers' states, the
-learner's step and skip counters, the task stream's position (grain iterator state), the
-admission counters, the weight version, the base model's pass rate and whatever else the
-trainer passes (its running totals for summary.json). Arrays go through `StandardSave`;
+step: the policy and critic parameters (and router biases), the optimizers' states (actor,
+critic, and the MTP layer's when it trains), the learner's step and skip counters, the
+task stream's position (grain iterator state), the admission counters, the weight
+version, the base model's pass rate and whatever else the trainer passes (its running
+totals for summary.json). Arrays go through `StandardSave`;
 the small loop state through `JsonSave`.
 
 With several processes every process saves and restores (orbax writes each array's
@@ -60,6 +61,8 @@ def _modules(policy, critic, learner) -> dict:
     out = {"policy": policy, "actor_opt": learner.actor_opt}
     if critic is not None:
         out.update(critic=critic, critic_opt=learner.critic_opt)
+    if getattr(learner, "mtp_opt", None) is not None:  # a learner that trains the MTP layer (rl.mtp_lr)
+        out["mtp_opt"] = learner.mtp_opt
     return out
 
 

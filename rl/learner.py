@@ -3,10 +3,15 @@
 One `Learner.step(batch)` (SAO, arXiv 2607.07508):
   1. values V(s_t) from the critic, a snapshot before any update;
   2. advantages (GAE, lambda_policy = 1 - 1/(alpha l)) and returns (lambda_critic = 1);
-  3. K critic steps of masked MSE on those fixed returns;
+  3. K critic steps of masked MSE on those fixed returns (the first one's forward is step
+     1's: values, advantages and returns come from it, detached, before its update);
   4. one actor step of the strict-band importance-sampling loss against the rollout
      log-probs, unless the critic is still warming up (the first `critic_warmup` steps);
-     a batch whose loss or gradients are not finite is skipped and reported.
+     a batch whose loss or gradients are not finite is skipped and reported;
+  5. with `mtp_lr` > 0, one step of the MTP layer's own loss (glmjax/train.mtp_loss) on
+     the rollout's action tokens, so that its drafts keep up with the policy the engine
+     speculates for (rl.num_draft). It reads the trunk's hidden states detached and has an
+     optimizer of its own over the MTP layer only: the policy's update is unchanged.
 The ablation objectives (GRPO, DAPO, GSPO, PPO) replace steps 2 and 4.
 
 The value model is the glmjax model with a scalar head on its last hidden state and
@@ -27,11 +32,13 @@ import optax
 from flax import nnx
 
 from glmjax import distributed
+from glmjax import train as lm_train
 from glmjax.model import GlmForCausalLM
 from rl import sao
 
 ALGORITHMS = ("sao", "grpo", "dapo", "gspo", "ppo")
 _POLICY_PARAMS = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("indexer")), nnx.Not(nnx.PathContains("mtp")))
+_MTP_PARAMS = nnx.All(nnx.Param, nnx.PathContains("mtp"), nnx.Not(nnx.PathContains("indexer")))
 
 
 class ValueModel(nnx.Module):
@@ -115,14 +122,23 @@ def _actor_step(policy, optimizer, batch, advantages, weights, cfg_items):
     return aux
 
 
-def _critic_step(critic, optimizer, batch, returns, weights, clipped):
+def _critic_step(critic, optimizer, batch, returns, weights, clipped, targets=None):
+    """One critic update toward `returns`; with `targets` (batch -> (advantages, returns)),
+    the returns are computed inside from this forward's own values, detached: the values
+    before any update, so the snapshot and the first update share one forward."""
     def loss_fn(c):
         values = c(batch.tokens)
+        aux = {}
+        rets = returns
+        if targets is not None:
+            snapshot = jax.lax.stop_gradient(values)
+            adv, rets = targets(batch._replace(values=snapshot))
+            aux = {"advantages": adv, "returns": rets, "values": snapshot}
         if clipped:
-            loss = sao.ppo_value_loss(values, batch.values, returns, batch.action_mask)
-            return loss, {"value_loss": loss}
-        loss, aux = sao.value_loss(values, returns, batch.action_mask, token_weights=weights)
-        return loss, dict(aux, value_loss=loss)
+            loss = sao.ppo_value_loss(values, aux.get("values", batch.values), rets, batch.action_mask)
+            return loss, dict(aux, value_loss=loss)
+        loss, parts = sao.value_loss(values, rets, batch.action_mask, token_weights=weights)
+        return loss, dict(aux, **parts, value_loss=loss)
 
     (_, aux), grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, optimizer.wrt), has_aux=True)(critic)
     optimizer.update(critic, grads)
@@ -132,14 +148,30 @@ def _critic_step(critic, optimizer, batch, returns, weights, clipped):
 @functools.partial(nnx.jit, static_argnames=("alpha", "gamma", "steps", "clipped"))
 def _critic_phase(critic, optimizer, batch, weights, alpha, gamma, steps, clipped):
     """Steps 1-3 in one call: the critic's values (a snapshot before any update), the
-    advantages and returns from them, then `steps` critic updates on those fixed returns.
-    Returns (advantages, values, aux of the last critic step)."""
-    batch = batch._replace(values=critic(batch.tokens))
-    adv, returns = sao.sao_advantages(batch, alpha=alpha, gamma=gamma)
-    aux = {}
-    for _ in range(steps):
+    advantages and returns from them, then `steps` critic updates on those fixed returns;
+    the first update's forward is the snapshot's. Returns (advantages, values, aux of the
+    last critic step)."""
+    targets = lambda b: sao.sao_advantages(b, alpha=alpha, gamma=gamma)  # noqa: E731
+    if steps < 1:
+        batch = batch._replace(values=critic(batch.tokens))
+        adv, _ = targets(batch)
+        return adv, batch.values, {}
+    aux = _critic_step(critic, optimizer, batch, None, weights, clipped, targets=targets)
+    adv, returns, values = aux.pop("advantages"), aux.pop("returns"), aux.pop("values")
+    batch = batch._replace(values=values)
+    for _ in range(steps - 1):
         aux = _critic_step(critic, optimizer, batch, returns, weights, clipped)
-    return adv, batch.values, aux
+    return adv, values, aux
+
+
+@nnx.jit
+def _mtp_step(policy, optimizer, tokens, action_mask):
+    """Step 5: the MTP loss on the action tokens, its gradient on the MTP layer alone."""
+    hidden = jax.lax.stop_gradient(policy(tokens).hidden)
+    loss_fn = lambda m: lm_train.mtp_loss(m, hidden, tokens, action_mask)  # noqa: E731
+    (loss, aux), grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, _MTP_PARAMS), has_aux=True)(policy)
+    optimizer.update(policy, grads)
+    return {"mtp_loss": loss, "mtp_accuracy": aux["accuracy"]}
 
 
 # Dozens of small ops each (GAE scans, rollout sums): one compiled call.
@@ -153,8 +185,8 @@ class Learner:
 
     cfg (the config's `rl` dict): algorithm, eps_low, eps_high, alpha, gamma, actor_lr,
     critic_lr, critic_steps (K), critic_warmup, actor_warmup (linear ramp of actor_lr over that
-    many actor updates), freeze_critic_attention, grad_clip, and the
-    rollouts' sampling temperature (the policy's log-probs are taken at it).
+    many actor updates), freeze_critic_attention, grad_clip, mtp_lr (step 5; 0 = off), and
+    the rollouts' sampling temperature (the policy's log-probs are taken at it).
     """
 
     def __init__(self, policy: GlmForCausalLM, critic: ValueModel | None, cfg: Mapping[str, Any], *,
@@ -178,6 +210,12 @@ class Learner:
             if cfg.get("freeze_critic_attention", False):
                 wrt = nnx.All(wrt, nnx.Not(nnx.PathContains("attn")))
             self.critic_opt = _optimizer(self.critic, cfg["critic_lr"], clip, wrt)
+        self.mtp_opt = None
+        if cfg.get("mtp_lr", 0.0) > 0:
+            if policy.mtp is None:
+                raise ValueError(f"rl.mtp_lr={cfg['mtp_lr']} trains the MTP layer; this model has none "
+                                 "(model.num_nextn_predict_layers=0)")
+            self.mtp_opt = _optimizer(policy, cfg["mtp_lr"], clip, _MTP_PARAMS)
         self.external_advantages = external_advantages
         self.mesh = mesh
         self._bound = None
@@ -195,6 +233,8 @@ class Learner:
             fns = {"actor_step": nnx.cached_partial(_actor_step, self.policy, self.actor_opt)}
             if self.critic is not None:
                 fns["critic_phase"] = nnx.cached_partial(_critic_phase, self.critic, self.critic_opt)
+            if self.mtp_opt is not None:
+                fns["mtp_step"] = nnx.cached_partial(_mtp_step, self.policy, self.mtp_opt)
             self._bound = fns
         return self._bound
 
@@ -236,6 +276,8 @@ class Learner:
         warming = self.critic is not None and self.steps < cfg.get("critic_warmup", 0)
         if not warming:
             metrics.update(self._fns["actor_step"](batch, adv, weights, self._loss_keys))
+        if self.mtp_opt is not None:
+            metrics.update(self._fns["mtp_step"](batch.tokens, batch.action_mask))
         metrics = jax.device_get(metrics)  # one transfer
         if not warming and not metrics.pop("finite"):
             self.skipped += 1

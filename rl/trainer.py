@@ -294,6 +294,17 @@ def check_config(cfg) -> None:
         raise ValueError(f"rl.eta={rl.eta} is invalid: expected >= 0 (0 = synchronous)")
     if rl.slots < 1:
         raise ValueError(f"rl.slots={rl.slots} is invalid: expected >= 1")
+    mtp_layers = cfg.model.get("num_nextn_predict_layers", 0)
+    for key in ("num_draft", "mtp_lr"):
+        value = rl.get(key, 0)
+        if value < 0:
+            raise ValueError(f"rl.{key}={value} is invalid: expected >= 0 (0 = off)")
+        if value and not mtp_layers:
+            raise ValueError(f"rl.{key}={value} needs an MTP layer: set model.num_nextn_predict_layers=1")
+    if task.max_len + rl.get("num_draft", 0) > cfg.model.max_position_embeddings:
+        raise ValueError(f"task.max_len={task.max_len} + rl.num_draft={rl.num_draft} exceeds "
+                         f"model.max_position_embeddings={cfg.model.max_position_embeddings}: the engine's cache "
+                         f"holds the drafts past the window")
     RewardConfig(shaping=rl.get("reward_shaping", "none"), alpha=rl.get("reward_alpha", 0.5))  # names a bad value
     _compaction(cfg)  # Compaction validates its own fields
     if rl.get("engine_rules", "learner") not in ENGINE_RULES:
@@ -372,15 +383,17 @@ ENGINE_RULES = {"learner": None, "decode": sharding.DECODE_RULES}
 def _engine(cfg, policy, mesh) -> GlmEngine:
     """The rollout engine and its WeightStore, in the layout `rl.engine_rules` names."""
     rl = cfg.rl
+    drafts = rl.get("num_draft", 0)  # MTP speculation: drafts per step from the policy's own MTP layer
+    # a step verifies `drafts` tokens past the last one kept: the cache has room for them
     if mesh is None:
         return GlmEngine(policy, weights=WeightStore(nnx.state(policy)), max_concurrent_decodes=rl.slots,
-                         max_len=cfg.task.max_len)
+                         max_len=cfg.task.max_len + drafts, num_draft=drafts)
     rules = ENGINE_RULES[rl.get("engine_rules", "learner")] or sharding.current_rules()
     local = distributed.local_mesh(mesh)  # with several processes, each has an engine on its own devices
     state = nnx.state(policy)
     store = WeightStore(state, shardings=sharding.param_shardings(state, local, rules))
-    return GlmEngine(policy, weights=store, max_concurrent_decodes=rl.slots, max_len=cfg.task.max_len, mesh=local,
-                     rules=rules)
+    return GlmEngine(policy, weights=store, max_concurrent_decodes=rl.slots, max_len=cfg.task.max_len + drafts,
+                     mesh=local, rules=rules, num_draft=drafts)
 
 
 def _say(text: str) -> None:
@@ -462,6 +475,7 @@ def _run(cfg, workdir: str, make_rollout, mesh) -> dict:
     yields = rl.get("generation_yields", True)
     rows = rl.batch_size * (compaction.max_segments if compaction else 1)  # one learner shape
     busy, last_step_at = before.get("learner_seconds", 0.0), time.time()
+    drafted = (0, 0)  # the driver's accepted drafts and busy slot-steps at the last learner step
     replay_cfg = dict(rl.get("replay") or {})
     replay_on = replay_cfg.pop("enabled", False)
     replay = BatchReplay(**replay_cfg, seed=cfg.seed) if replay_on else None
@@ -491,6 +505,10 @@ def _run(cfg, workdir: str, make_rollout, mesh) -> dict:
         if shared["turns"]:
             metrics["turns_per_episode"] = float(np.mean(shared["turns"]))
         now = time.time()
+        if engine.num_draft:  # drafts accepted per decode step since the last learner step
+            counts = driver.stats["accepted_drafts"], driver.stats["busy_slot_steps"]
+            metrics["mtp_accept_len"] = (counts[0] - drafted[0]) / max(counts[1] - drafted[1], 1)
+            drafted = counts
         metrics["tokens_per_s"] = sum(len(tr.completion) for tr in batch) / max(now - last_step_at, 1e-9)
         last_step_at = now
         loop_s = earlier["rl_seconds"] + now - loop_start
@@ -536,6 +554,9 @@ def _run(cfg, workdir: str, make_rollout, mesh) -> dict:
                "learner_busy_fraction": busy / rl_seconds,
                "relative_gain": (final["pass_rate"] - base["pass_rate"]) / max(base["pass_rate"], 1e-9),
                "resumed_from_step": resumed["step"] if resumed else None, "processes": processes}
+    if engine.num_draft:  # over this process's training rollouts
+        summary.update(num_draft=engine.num_draft,
+                       mtp_accept_len=driver.stats["accepted_drafts"] / max(driver.stats["busy_slot_steps"], 1))
     if rl_tasks.agentic(cfg):  # the same policy with every command's output hidden: what reading is worth
         blind = _evaluate(cfg, Driver(engine), heldout, blank_observations=True)
         summary.update(final_pass_rate_blind=blind["pass_rate"])

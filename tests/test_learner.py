@@ -136,3 +136,23 @@ def test_grpo_needs_groups_and_runs_without_a_critic():
     assert np.isfinite(lrn.step(_batch(), group_ids=jnp.array([0, 0, 1, 1]))["policy_loss"])
     with pytest.raises(ValueError, match="rl.algorithm"):
         learner.Learner(policy, None, dict(CFG, algorithm="reinforce"))
+
+
+def test_mtp_step_trains_the_mtp_layer_alone():
+    """rl.mtp_lr: the MTP loss on the action tokens falls, only the MTP layer moves (the
+    critic is warming up, so the actor does not step), and a model without one is refused."""
+    config = CONFIG.replace(num_nextn_predict_layers=1)
+    policy = glmjax.init_model(config, seed=0)
+    critic = learner.ValueModel(glmjax.init_model(config, seed=1))
+    lrn = learner.Learner(policy, critic, dict(CFG, critic_warmup=10 ** 6, mtp_lr=1e-2))
+    trunk = lambda: jax.tree.map(np.asarray, nnx.state(policy, nnx.All(nnx.Param, nnx.Not(nnx.PathContains("mtp")))))  # noqa: E731
+    mtp = lambda: jax.tree.map(np.asarray, nnx.state(policy.mtp, nnx.Param))  # noqa: E731
+    trunk0, mtp0 = trunk(), mtp()
+    batch = _batch()
+    losses = [lrn.step(batch)["mtp_loss"] for _ in range(6)]
+    assert losses[-1] < losses[0]
+    jax.tree.map(np.testing.assert_array_equal, trunk0, trunk())
+    moved = jax.tree.map(lambda a, b: np.abs(a - b).max(), mtp0, mtp())
+    assert max(jax.tree.leaves(moved)) > 0
+    with pytest.raises(ValueError, match="num_nextn_predict_layers"):
+        learner.Learner(glmjax.init_model(CONFIG), critic, dict(CFG, mtp_lr=1e-3))

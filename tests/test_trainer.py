@@ -129,11 +129,13 @@ def test_killed_run_resumes_with_the_same_next_steps_past_a_corrupt_checkpoint(t
     assert summary["resumed_from_step"] == 2 and summary["rl_seconds"] > 0
 
 
-def test_reward_shaping_replay_and_augmentation_run_inside_the_job(tmp_path):
+def test_the_launch_options_run_inside_the_job(tmp_path):
     """The launch notes' options, each on: shaped rewards (difficulty 2: weight 1.125) beside
-    the verifier's, replayed rows from the second step on, augmented training tasks."""
+    the verifier's, replayed rows from the second step on, augmented training tasks, and MTP
+    speculation in the rollouts with the MTP layer trained beside the policy."""
     options = ["--config.rl.reward_shaping=difficulty", "--config.rl.reward_alpha=1.0", "--config.task.augment=reorder",
-               "--config.rl.replay.enabled=True", "--config.rl.replay.rows=4"]
+               "--config.rl.replay.enabled=True", "--config.rl.replay.rows=4", "--config.rl.num_draft=2",
+               "--config.rl.mtp_lr=1e-3"]
     subprocess.run(_cmd(tmp_path, *options), check=True, env=_env(), cwd=REPO, capture_output=True, timeout=900)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     for row in rows:
@@ -143,6 +145,8 @@ def test_reward_shaping_replay_and_augmentation_run_inside_the_job(tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert 200 < summary["train_tasks"] < 400  # about half the 200 tasks have a reordered copy
     assert any("-aug" in t for r in rows for t in r["tasks"])
+    assert all(0 <= r["mtp_accept_len"] <= 2 and r["mtp_loss"] > 0 for r in rows)
+    assert summary["num_draft"] == 2 and 0 <= summary["mtp_accept_len"] <= 2
 
 
 AGENT = [*(f"--config.{o}" for o in TWO_LAYERS), "--config.task.train_tasks=24", "--config.task.eval_tasks=8", "--config.base.demonstrations=24",

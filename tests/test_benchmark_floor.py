@@ -1,0 +1,59 @@
+"""benchmarks/floor.py: the FLOP and byte counts behind every `*_over_floor` figure, and the
+rule that reruns a starved arm, against hand-computed values."""
+
+import pathlib
+import sys
+
+import pytest
+
+from tests.test_sharding import CONFIG
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "benchmarks"))
+import floor  # noqa: E402
+
+
+def _hand_sizes(c):
+    h, k, r, v, d = c.num_attention_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim, c.hidden_size
+    attn = (d * c.q_lora_rank + c.q_lora_rank * h * (k + r) + d * (c.kv_lora_rank + r)
+            + c.kv_lora_rank * h * (k + v) + h * v * d)
+    indexer = c.q_lora_rank * c.index_n_heads * c.index_head_dim + d * c.index_head_dim + d * c.index_n_heads
+    dense = experts = 0
+    for layer in range(c.num_hidden_layers):
+        dense += attn + (indexer if c.has_indexer(layer) else 0)
+        if layer < c.first_k_dense_replace:
+            dense += 3 * d * c.intermediate_size
+        else:
+            dense += d * c.n_routed_experts + 3 * d * c.moe_intermediate_size * c.n_shared_experts
+            experts += 3 * d * c.moe_intermediate_size * c.n_routed_experts
+    return dense + d * c.vocab_size, experts  # + the LM head
+
+
+def test_weight_sizes_and_forward_flops_match_a_hand_count():
+    c = CONFIG.replace(num_nextn_predict_layers=0)
+    sizes = floor.weight_sizes(c)
+    dense, experts = _hand_sizes(c)
+    assert (sizes["dense"], sizes["experts"], sizes["embed"]) == (dense, experts, c.vocab_size * c.hidden_size)
+    rows, t = 3, 7  # fewer keys than index_topk: every layer attends densely, no indexer scoring
+    assert t < c.index_topk
+    f = floor.forward_flops(c, rows, t)
+    per_key = 2 * c.num_attention_heads * (2 * c.kv_lora_rank + c.qk_rope_head_dim)
+    assert f["attention"] == rows * c.num_hidden_layers * per_key * t * (t + 1) // 2
+    assert f["matmul"] == pytest.approx(2 * rows * t * (dense + experts * c.num_experts_per_tok / c.n_routed_experts))
+
+
+def test_decode_bytes_count_touched_experts_and_the_cache():
+    c = CONFIG.replace(num_nextn_predict_layers=0)
+    dense, experts = _hand_sizes(c)
+    touched = 1 - (1 - c.num_experts_per_tok / c.n_routed_experts) ** 2
+    latent = (c.kv_lora_rank + c.qk_rope_head_dim) * 4
+    expected = (dense + experts * touched) * 4 + 2 * c.num_hidden_layers * latent * 5
+    assert floor.decode_step_bytes(c, batch=2, context=5) == int(expected)
+
+
+def test_a_starved_run_is_flagged_and_run_again():
+    runs = [(1.0, 1.8), (1.05, 1.9), (2.0, 1.0)]  # the third: twice the wall, half the cores
+    assert floor.starved(runs) == [False, False, True]
+    kept, extra = floor.rerun_starved(runs, lambda: (1.02, 1.85))
+    assert extra == 1 and kept == [(1.0, 1.8), (1.05, 1.9), (1.02, 1.85)]
+    assert floor.starved([(1.0, 1.8), (1.2, 1.0)]) == [False, False]  # slower but not by 1.3x
+    assert floor.seconds(2e9, 1e9, {"matmul_gflops": 1.0, "read_gb_per_s": 4.0}) == 2.0
