@@ -45,7 +45,7 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def _source(name: str, what: str) -> str:
-    return f"**{what}** (`benchmarks/{name}.py`, [results/{name}.json](results/{name}.json))"
+    return f"**{what}** (`benchmarks/{name}.py`, [results/{name}.json](results/{name}.json)):"
 
 
 # One function per results file -------------------------------------------------------------

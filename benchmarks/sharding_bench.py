@@ -5,9 +5,10 @@ of it spent in the MoE dispatch, and the time to publish weights between layouts
     python benchmarks/sharding_bench.py --out /tmp/publish.json --parts publish
 
 The 8 devices share this machine's cores, so absolute times say little; the ratios
-between meshes show the cost of each layout's collectives. The MoE share is the time of
-the expert layers alone (routing, exchange, grouped matmuls, forward + backward) over the
-whole step's, both under the same mesh.
+between meshes show the cost of each layout's collectives. The MoE share is measured
+inside the step itself: the share of its XLA op time (from a profiler trace of one step)
+spent in the instructions under the MoE layers' named scope "moe" (routing, exchange,
+grouped matmuls, forward and backward); `moe_s` is that share of the step's time.
 
 rl: one synchronous SAO step of the tiny model (configs/tiny.py) under several meshes:
 RL_BATCH prompts generated to RL_NEW tokens through the engine on the mesh, the learner's
@@ -35,18 +36,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import json
 import os
 import pathlib
+import re
 import statistics
 import sys
+import tempfile
 import time
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -56,7 +59,6 @@ sys.path.insert(0, str(REPO))
 
 import glmjax  # noqa: E402
 from glmjax import presets, sharding  # noqa: E402
-from glmjax.layers.moe import MoE  # noqa: E402
 from rl import sao  # noqa: E402
 from rl.driver import Driver, Request  # noqa: E402
 from rl.engine import GlmEngine  # noqa: E402
@@ -115,23 +117,38 @@ def bench_mesh(config, mesh_sizes, batch, seq, repeats):
 
             return jax.value_and_grad(loss)(p)
 
-        moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE)]
-        moe_defs = [nnx.split(m) for m in moes]
-        x = jax.device_put(jax.random.normal(jax.random.key(1), (batch, seq, config.hidden_size)),
-                           jax.sharding.NamedSharding(mesh, sharding.logical_spec(
-                               ("batch", "length", "act_embed"), (batch, seq, config.hidden_size), mesh=mesh)))
+        compiled = step.lower(params, ids).compile()
+        t_step = median_time(lambda: compiled(params, ids), repeats)
+        share = scope_share(compiled, lambda: compiled(params, ids), "moe")
+    return {"step_s": t_step, "moe_s": share * t_step, "moe_share": share}
 
-        @jax.jit
-        def moe_only(states, x):
-            def f(states):
-                return sum(jnp.sum(nnx.merge(g, s)(x)[0]) for (g, _), s in zip(moe_defs, states))
 
-            return jax.grad(f)(states)
+def _under(op_name: str, scope: str) -> bool:
+    """Whether an HLO op_name ("jit(step)/transpose(jvp(moe))/dot_general") lies under `scope`."""
+    return any(part.strip("()").split("(")[-1] == scope for part in op_name.split("/"))
 
-        moe_states = [s for _, s in moe_defs]
-        t_step = median_time(lambda: step(params, ids), repeats)
-        t_moe = median_time(lambda: moe_only(moe_states, x), repeats)
-    return {"step_s": t_step, "moe_s": t_moe, "moe_share": t_moe / t_step}
+
+def scope_share(compiled, run, scope: str) -> float:
+    """The share of one run's XLA op time spent in the top-level instructions of the
+    compiled program whose op_name lies under the named scope `scope`, from a profiler
+    trace of the run. Top level: the ENTRY computation's instructions, each counted once
+    with whatever it calls (a while loop with its body), so nothing is counted twice."""
+    entry = compiled.as_text().split("\nENTRY ", 1)[1].split("\n}", 1)[0]
+    names = {m.group(1): m.group(2) for m in re.finditer(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*?op_name="([^"]*)"', entry,
+                                                          re.M)}
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            jax.block_until_ready(run())
+        path = next(pathlib.Path(d).rglob("perfetto_trace.json.gz"))
+        events = json.load(gzip.open(path))["traceEvents"]
+    inside = total = 0.0
+    for e in events:
+        if e.get("ph") == "X" and e.get("name") in names:
+            total += e["dur"]
+            inside += e["dur"] if _under(names[e["name"]], scope) else 0.0
+    if not total:
+        raise RuntimeError("the profiler trace holds none of the program's instructions")
+    return inside / total
 
 
 def bench_publish(config, repeats):

@@ -107,6 +107,7 @@ class MoE(nnx.Module):
         self.shared = MLP(c.hidden_size, c.shared_intermediate_size, init_std=c.initializer_range,
                           param_dtype=jnp.dtype(c.param_dtype), rngs=rngs) if c.n_shared_experts else None
 
+    @jax.named_scope("moe")  # profiles (and benchmarks/sharding_bench.py) find the layer's ops by it
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """x [B, T, D] -> (y [B, T, D], per-expert load [E])."""
         flat = x.reshape(-1, x.shape[-1])
