@@ -26,8 +26,11 @@ wall ratio is reported beside its median so that a starved figure shows.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import functools
 import statistics
+import sys
 import time
 from typing import Callable
 
@@ -67,9 +70,10 @@ def _is_expert(names) -> bool:
     return "experts" in names
 
 
+@functools.lru_cache(maxsize=8)
 def weight_sizes(config: glmjax.ModelConfig) -> dict:
     """Matmul weights by kind, in elements: {"dense", "experts", "embed", "mtp"} (norm
-    scales and biases left out)."""
+    scales and biases left out); traced once per config (decode_floor asks per step)."""
     abstract = nnx.state(nnx.eval_shape(lambda: glmjax.init_model(config)), nnx.Param)
     sizes = {"dense": 0, "experts": 0, "embed": 0, "mtp": 0}
     for path, leaf in jax.tree_util.tree_leaves_with_path(abstract):
@@ -202,9 +206,6 @@ def main_with_profile(main: Callable, name: str) -> None:
     """Runs a benchmark's main() with `--profile DIR` taken off the command line, under a
     JAX profiler trace of the whole run in DIR/name (for the scripts that do not trace
     their arms one by one)."""
-    import argparse
-    import sys
-
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--profile", default=None)
     known, rest = parser.parse_known_args(sys.argv[1:])
