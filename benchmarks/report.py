@@ -11,6 +11,7 @@ comes from a measured run and the rest is one click away.
 from __future__ import annotations
 
 import json
+import math
 import pathlib
 import re
 
@@ -162,7 +163,18 @@ def sharding_bench(r) -> list[str]:
     pub = r["publish"]["configs/small.py"]
     load = r["sharded_load"]["runs"][-1]
     one = f"one device {_num(arms['one_device']['step_s'], 's')}"
-    rows = [[f"RL step on {name}", _num(a["step_s"], "s"), one] for name, a in arms.items() if name != "one_device"][:2]
+    shown = [name for name in arms if name != "one_device"][:1] + [name for name in arms if "disjoint" in name]
+    def where(sizes):
+        return " x ".join(f"{k}={v}" for k, v in sizes.items())
+
+    def label(name):
+        a = arms[name]
+        if "engine_mesh" not in a:
+            return f"RL step on {where(a['mesh'])}"
+        n = math.prod(a["mesh"].values())
+        return f"RL step, learner {where(a['mesh'])} on devices 0-{n - 1}, engine {where(a['engine_mesh'])} on {n}-{2 * n - 1}"
+
+    rows = [[label(name), _num(arms[name]["step_s"], "s"), one] for name in shown]
     rows += [["publish weights, small (same layout / reshard)", _num(pub["same_layout_swap_ms"], "ms"),
               f"reshard {_num(pub['reshard_same_devices_ms'], 'ms')}"],
              ["sharded checkpoint load, memory above the arrays", _pct(load["peak_anonymous_excess_over_checkpoint"]),

@@ -10,7 +10,8 @@ inside the step itself: the share of its XLA op time (from a profiler trace of o
 spent in the instructions under the MoE layers' named scope "moe" (routing, exchange,
 grouped matmuls, forward and backward); `moe_s` is that share of the step's time.
 
-rl: one synchronous SAO step of the tiny model (configs/tiny.py) under several meshes:
+rl: one synchronous SAO step of the tiny model (configs/tiny.py) under several meshes (and
+one with the engine on devices of its own, as `rl.engine_mesh` puts it):
 RL_BATCH prompts generated to RL_NEW tokens through the engine on the mesh, the learner's
 critic phase and actor step on the batch as global arrays, and the publish into the
 engine's layout; seconds of each part, median of the repeats, the arms interleaved
@@ -38,6 +39,7 @@ import argparse
 import contextlib
 import gzip
 import json
+import math
 import os
 import pathlib
 import re
@@ -81,6 +83,8 @@ RL_MESHES = {
     "fsdp4-expert2": (dict(fsdp=4, expert=2), None),
     "fsdp4-expert2_engine_decode": (dict(fsdp=4, expert=2), "decode"),
     "expert4-tensor2": (dict(expert=4, tensor=2), None),
+    # the learner on devices 0-3, the engine on 4-7 (rl.engine_mesh): publishing copies shard to shard
+    "fsdp4_engine_expert2-tensor2_disjoint": (dict(fsdp=4), "decode", dict(expert=2, tensor=2)),
 }
 RL_BATCH, RL_PROMPT, RL_NEW = 16, 16, 16
 RL_CFG = dict(algorithm="sao", eps_low=0.2, eps_high=4.0, alpha=1.5, gamma=1.0, actor_lr=1e-4, critic_lr=1e-3,
@@ -178,8 +182,12 @@ def bench_publish(config, repeats):
 class RLArm:
     """Policy, critic, learner and engine of one RL_MESHES entry, built once."""
 
-    def __init__(self, config, sizes, engine_rules):
-        self.mesh = glmjax.make_mesh(**sizes) if sizes else None
+    def __init__(self, config, sizes, engine_rules, engine_sizes=None):
+        devices = jax.devices()
+        self.mesh = glmjax.make_mesh(**sizes, devices=devices[:math.prod(sizes.values())]) if sizes else None
+        # the engine on the learner's devices, or on as many after them
+        where = self.mesh if engine_sizes is None else glmjax.make_mesh(
+            **engine_sizes, devices=devices[self.mesh.size:2 * self.mesh.size])
         rules = sharding.DECODE_RULES if engine_rules == "decode" else sharding.DEFAULT_RULES
         with self.context():
             self.policy = glmjax.init_model(config, seed=0, mesh=self.mesh)
@@ -188,10 +196,10 @@ class RLArm:
                 critic = sharding.shard_model(critic, self.mesh)
             self.learner = Learner(self.policy, critic, RL_CFG, mesh=self.mesh)
             state = nnx.state(self.policy)
-            shardings = None if self.mesh is None else sharding.param_shardings(state, self.mesh, rules)
+            shardings = None if self.mesh is None else sharding.param_shardings(state, where, rules)
             self.store = WeightStore(state, shardings=shardings)
             self.engine = GlmEngine(self.policy, weights=self.store, max_concurrent_decodes=RL_BATCH,
-                                    max_len=RL_PROMPT + RL_NEW + 1, prefill_buckets=(RL_PROMPT,), mesh=self.mesh,
+                                    max_len=RL_PROMPT + RL_NEW + 1, prefill_buckets=(RL_PROMPT,), mesh=where,
                                     rules=None if self.mesh is None else rules)
             self.driver = Driver(self.engine)
         self.rng = np.random.default_rng(0)
@@ -238,7 +246,7 @@ def _batch(prompts, results, rng) -> sao.Batch:
 def bench_rl(repeats) -> dict:
     config = presets.model_config_from(presets.load_config(str(REPO / "configs" / "tiny.py"))).replace(
         num_nextn_predict_layers=0)
-    arms = {name: RLArm(config, sizes, rules) for name, (sizes, rules) in RL_MESHES.items()}
+    arms = {name: RLArm(config, *spec) for name, spec in RL_MESHES.items()}
     runs = {name: [] for name in arms}
     for name, arm in arms.items():  # compile every shape first
         arm.step()
@@ -248,7 +256,10 @@ def bench_rl(repeats) -> dict:
     out = {}
     for name, rows in runs.items():
         out[name] = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-        out[name]["mesh"], out[name]["engine_rules"] = RL_MESHES[name][0] or {}, RL_MESHES[name][1] or "learner"
+        sizes, rules, *engine = RL_MESHES[name]
+        out[name]["mesh"], out[name]["engine_rules"] = sizes or {}, rules or "learner"
+        if engine:
+            out[name]["engine_mesh"] = engine[0]
     base = out["one_device"]["step_s"]
     for r in out.values():
         r["relative_step_time"] = r["step_s"] / base

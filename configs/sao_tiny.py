@@ -62,7 +62,11 @@ def get_config(arg=None):
         validate_every=0, validate_tasks=64,
         # with config.mesh: the engine in the learner's layout ("learner": publishing is a
         # reference swap) or the serving one ("decode": publishing reshards inside XLA)
-        engine_rules="learner"))
+        engine_rules="learner",
+        # the engine on devices of its own, after the learner's: their axis sizes, e.g.
+        # "expert=2,tensor=2" beside --config.mesh.fsdp=4 (publishing copies shard to shard);
+        # "": on the learner's devices
+        engine_mesh=""))
     # Prioritized replay (rl/replay.py: BatchReplay): `rows` stored rows beside each batch's fresh ones
     config.rl.replay = ml_collections.ConfigDict(dict(enabled=False, capacity=1024, rows=16, alpha=0.6, beta=0.4))
     # Trajectories longer than the window: summarise and continue (rl/compaction.py);

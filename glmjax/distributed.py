@@ -94,6 +94,11 @@ def _sizes(cfg) -> dict[str, int]:
     return {a: int(cfg.mesh.get(a, 1)) for a in sharding.AXES} if "mesh" in cfg else {}
 
 
+def mesh_devices(cfg) -> int:
+    """How many devices `config.mesh` spans (1 without a mesh section)."""
+    return int(np.prod(list(_sizes(cfg).values()))) if "mesh" in cfg else 1
+
+
 def check_job(cfg) -> None:
     """Raises ValueError naming a `config.rules` entry or a `config.mesh` size that the job
     cannot use, before any work (in one process, where the devices are known already)."""
@@ -139,6 +144,8 @@ def job_mesh(cfg):
 def describe(mesh) -> str:
     """"mesh fsdp=4, expert=2 of 8 cpu devices": what a job prints of where it runs."""
     axes = ", ".join(f"{a}={n}" for a, n in mesh.shape.items() if n > 1)
+    if not axes:
+        return f"one {mesh.devices.flat[0].platform} device"
     return f"mesh {axes} of {mesh.size} {mesh.devices.flat[0].platform} devices"
 
 

@@ -315,6 +315,12 @@ def check_config(cfg) -> None:
                          f"whole groups of rl.group_size={group}: make it a multiple of {processes * group}")
     if processes != 1 and (rl.get("replay") or {}).get("enabled", False):
         raise ValueError("rl.replay runs in one process: set rl.replay.enabled=False for a multi-process job")
+    if rl.get("engine_mesh", ""):
+        _engine_devices(cfg)
+        if processes != 1:
+            raise ValueError(f"rl.engine_mesh={rl.engine_mesh!r} puts the engine on devices of its own in one "
+                             f"process; with distributed.num_processes={processes} each process runs an engine "
+                             f"on its share of the learner's devices: leave rl.engine_mesh empty")
     distributed.check_job(cfg)
 
 
@@ -381,19 +387,48 @@ ENGINE_RULES = {"learner": None, "decode": sharding.DECODE_RULES}
 
 
 def _engine(cfg, policy, mesh) -> GlmEngine:
-    """The rollout engine and its WeightStore, in the layout `rl.engine_rules` names."""
+    """The rollout engine and its WeightStore, in the layout `rl.engine_rules` names: on the
+    learner's devices (this process's share of them), or with `rl.engine_mesh` on as many
+    devices of their own."""
     rl = cfg.rl
     drafts = rl.get("num_draft", 0)  # MTP speculation: drafts per step from the policy's own MTP layer
     # a step verifies `drafts` tokens past the last one kept: the cache has room for them
-    if mesh is None:
+    max_len = cfg.task.max_len + drafts
+    own = engine_mesh(cfg, mesh)
+    if mesh is None and own is None:
         return GlmEngine(policy, weights=WeightStore(nnx.state(policy)), max_concurrent_decodes=rl.slots,
-                         max_len=cfg.task.max_len + drafts, num_draft=drafts)
+                         max_len=max_len, num_draft=drafts)
     rules = ENGINE_RULES[rl.get("engine_rules", "learner")] or sharding.current_rules()
-    local = distributed.local_mesh(mesh)  # with several processes, each has an engine on its own devices
+    where = own if own is not None else distributed.local_mesh(mesh)  # several processes: each its own devices
     state = nnx.state(policy)
-    store = WeightStore(state, shardings=sharding.param_shardings(state, local, rules))
-    return GlmEngine(policy, weights=store, max_concurrent_decodes=rl.slots, max_len=cfg.task.max_len + drafts,
-                     mesh=local, rules=rules, num_draft=drafts)
+    store = WeightStore(state, shardings=sharding.param_shardings(state, where, rules))
+    return GlmEngine(policy, weights=store, max_concurrent_decodes=rl.slots, max_len=max_len, mesh=where,
+                     rules=rules, num_draft=drafts)
+
+
+def engine_mesh(cfg, mesh):
+    """The engine's own mesh when `rl.engine_mesh` gives one ("expert=2,tensor=2"), None
+    when it decodes on the learner's devices: the devices that follow the learner's (devices
+    4-7 after a learner on 0-3), as many as the learner has, so that publishing copies each
+    parameter shard device to device (rl/weights.py)."""
+    if not cfg.rl.get("engine_mesh", ""):
+        return None
+    learner = mesh.size if mesh is not None else 1
+    return sharding.make_mesh(**_engine_devices(cfg), devices=jax.devices()[learner:2 * learner])
+
+
+def _engine_devices(cfg) -> dict[str, int]:
+    """`rl.engine_mesh`'s axis sizes; a ValueError when they do not fit beside the learner's."""
+    text = cfg.rl.engine_mesh
+    sizes = sharding.parse_axes(text)
+    learner, wanted = distributed.mesh_devices(cfg), int(np.prod(list(sizes.values()) or [1]))
+    if wanted != learner:
+        raise ValueError(f"rl.engine_mesh={text!r} spans {wanted} devices and config.mesh {learner}: give the "
+                         f"engine as many devices as the learner (axis sizes that multiply to {learner})")
+    if 2 * learner > len(jax.devices()):
+        raise ValueError(f"rl.engine_mesh={text!r} needs {wanted} devices after the learner's {learner}; "
+                         f"{len(jax.devices())} are available: shrink config.mesh and rl.engine_mesh together")
+    return sizes
 
 
 def _say(text: str) -> None:
@@ -428,9 +463,13 @@ def _run(cfg, workdir: str, make_rollout, mesh) -> dict:
     learner = Learner(policy, critic, dict(rl), mesh=mesh)
     engine = _engine(cfg, policy, mesh)
     store = engine.weights
-    if mesh is not None:
-        where, engines = distributed.describe(mesh), "the engine"
-        if processes > 1:
+    if mesh is not None or engine_mesh(cfg, mesh) is not None:
+        where = distributed.describe(mesh) if mesh is not None else "one device"
+        engines = "the engine"
+        if engine_mesh(cfg, mesh) is not None:
+            ids = [d.id for d in engine.mesh.devices.flat]
+            engines = f"the engine on devices {ids[0]}-{ids[-1]} ({distributed.describe(engine.mesh)})"
+        elif processes > 1:
             where = f"{where} over {processes} processes"
             engines = f"one engine per process on its {engine.mesh.size} devices"
         _say(f"policy and critic on {where}; {engines} in the {rl.get('engine_rules', 'learner')} layout")

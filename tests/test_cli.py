@@ -60,6 +60,12 @@ def _error(capsys, argv, main=cli.main) -> str:
      f"--config {SAO}: compaction needs summary_tokens >= 2"),
     (SAO, ["--config.mesh.fsdp=4", "--config.mesh.tensor=4"],
      f"--config {SAO}: config.mesh (fsdp=4,tensor=4) needs 16 devices; 8 are available"),
+    (SAO, ["--config.mesh.fsdp=4", "--config.rl.engine_mesh=tensor=2"],
+     f"--config {SAO}: rl.engine_mesh='tensor=2' spans 2 devices and config.mesh 4: give the engine as many devices "
+     "as the learner (axis sizes that multiply to 4)"),
+    (SAO, ["--config.mesh.fsdp=8", "--config.rl.engine_mesh=tensor=8"],
+     f"--config {SAO}: rl.engine_mesh='tensor=8' needs 8 devices after the learner's 8; 8 are available"),
+    (SAO, ["--config.rl.engine_mesh=tensors=2"], f"--config {SAO}: mesh 'tensors=2': unknown axis 'tensors'"),
     (SAO, ["--config.rules.embed=fsdp,experts"],
      f"--config {SAO}: sharding rule 'embed' -> ('fsdp', 'experts'): unknown mesh axis 'experts'"),
     (OPD, ["--config.opd.distribution=kl"], f"--config {OPD}: opd.distribution='kl' is invalid: expected one of "

@@ -179,18 +179,20 @@ def test_a_killed_agentic_run_resumes(tmp_path):
 
 
 def test_the_job_on_a_mesh_trains_as_on_one_device(tmp_path, uninterrupted_run):
-    """--config.mesh.fsdp=4 --config.mesh.expert=2 (8 fake devices; the cached base loaded
-    sharded, the learner and the engine on the mesh), the engine in the serving layout
-    (publishing reshards every step): the same tasks, rewards and losses, step by step, as
-    the one-device run."""
+    """--config.mesh.fsdp=2 --config.mesh.expert=2 for the learner on devices 0-3 (the
+    cached base loaded sharded) and --config.rl.engine_mesh=expert=2,tensor=2 for the engine
+    on devices 4-7 in the serving layout (publishing copies every shard to the other
+    devices, every step): the same tasks, rewards and losses, step by step, as the
+    one-device run."""
     mesh = tmp_path / "mesh"
     mesh.mkdir()  # the same base, loaded split over the mesh (the LM job's test covers sharded training steps)
     subprocess.run(["cp", "-r", str(uninterrupted_run / "base"), str(mesh / "base")], check=True)
-    done = subprocess.run(_cmd(mesh, "--config.mesh.fsdp=4", "--config.mesh.expert=2",
-                               "--config.rl.engine_rules=decode"), env=_env(), cwd=REPO, capture_output=True,
-                          text=True, timeout=900)
+    done = subprocess.run(_cmd(mesh, "--config.mesh.fsdp=2", "--config.mesh.expert=2",
+                               "--config.rl.engine_rules=decode", "--config.rl.engine_mesh=expert=2,tensor=2"),
+                          env=_env(), cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "on mesh fsdp=4, expert=2 of 8 cpu devices; the engine in the decode layout" in done.stdout
+    assert ("on mesh fsdp=2, expert=2 of 4 cpu devices; the engine on devices 4-7 (mesh expert=2, tensor=2 of 4 "
+            "cpu devices) in the decode layout") in done.stdout
     got, expected = _metrics(mesh), _metrics(uninterrupted_run)
     assert sorted(got) == sorted(expected) == [1, 2, 3, 4]
     _same_steps(got, expected, expected, rtol=1e-4)
