@@ -61,7 +61,8 @@ def _job(workdir, num_processes: int, *extra) -> list[subprocess.CompletedProces
     from tests.test_trainer import REPO, _cmd, _env
 
     port, env = str(_free_port()), _env()
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={8 // num_processes}"
+    env["XLA_FLAGS"] = " ".join([f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
+                                + [f"--xla_force_host_platform_device_count={8 // num_processes}"])
     procs = [subprocess.Popen(_cmd(workdir, *MESH, "--config.rl.steps=3", *extra,
                                    f"--config.distributed.num_processes={num_processes}",
                                    f"--config.distributed.process_id={i}",

@@ -277,7 +277,9 @@ def test_learner_step_with_opd_advantages_moves_the_sampled_tokens():
 
 
 # The job ---------------------------------------------------------------------------------
-SMALL = ["--config.teachers.sorter.steps=4", "--config.teachers.speller.steps=4", "--config.student.steps=4",
+# two layers (a full indexer and a shared one) compile in about half the time of four
+SMALL = ["--config.model.num_hidden_layers=2", "--config.model.index_topk_pattern=FS",
+         "--config.teachers.sorter.steps=4", "--config.teachers.speller.steps=4", "--config.student.steps=4",
          "--config.teachers.speller.demonstrations=64", "--config.teacher_sft.demonstrations=64",
          "--config.student.demonstrations=32", "--config.task.eval_tasks=4", "--config.task.train_tasks=40",
          "--config.opd.rounds=2", "--config.opd.batches_per_round=2", "--config.opd.epochs=1",
