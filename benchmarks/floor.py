@@ -210,5 +210,10 @@ def main_with_profile(main: Callable, name: str) -> None:
     parser.add_argument("--profile", default=None)
     known, rest = parser.parse_known_args(sys.argv[1:])
     sys.argv[1:] = rest
+    if {"-h", "--help"} & set(rest):  # main's own help, then the option taken off here
+        try:
+            main()
+        finally:
+            print(f"  --profile DIR         a JAX profiler trace of the whole run, written to DIR/{name}")
     with profile(known.profile, name):
         main()

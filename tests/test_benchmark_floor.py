@@ -57,3 +57,19 @@ def test_a_starved_run_is_flagged_and_run_again():
     assert extra == 1 and kept == [(1.0, 1.8), (1.05, 1.9), (1.02, 1.85)]
     assert floor.starved([(1.0, 1.8), (1.2, 1.0)]) == [False, False]  # slower but not by 1.3x
     assert floor.seconds(2e9, 1e9, {"matmul_gflops": 1.0, "read_gb_per_s": 4.0}) == 2.0
+
+
+def test_help_names_the_profile_option(monkeypatch, capsys):
+    """`--help` of a benchmark run through main_with_profile shows its own options and --profile."""
+    import argparse
+
+    def main():
+        parser = argparse.ArgumentParser(description="a benchmark")
+        parser.add_argument("--out", required=True)
+        parser.parse_args()
+
+    monkeypatch.setattr(sys, "argv", ["bench.py", "--help"])
+    with pytest.raises(SystemExit) as done:
+        floor.main_with_profile(main, "bench")
+    out = capsys.readouterr().out
+    assert done.value.code == 0 and "--out" in out and "--profile DIR" in out and "DIR/bench" in out
