@@ -164,6 +164,7 @@ def sharding_bench(r) -> list[str]:
     load = r["sharded_load"]["runs"][-1]
     one = f"one device {_num(arms['one_device']['step_s'], 's')}"
     shown = [name for name in arms if name != "one_device"][:1] + [name for name in arms if "disjoint" in name]
+
     def where(sizes):
         return " x ".join(f"{k}={v}" for k, v in sizes.items())
 

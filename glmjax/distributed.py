@@ -12,6 +12,7 @@ be omitted: jax.distributed detects them. On CPUs, collectives go through gloo.
 
 from __future__ import annotations
 
+import math
 import pickle
 
 import jax
@@ -96,7 +97,7 @@ def _sizes(cfg) -> dict[str, int]:
 
 def mesh_devices(cfg) -> int:
     """How many devices `config.mesh` spans (1 without a mesh section)."""
-    return int(np.prod(list(_sizes(cfg).values()))) if "mesh" in cfg else 1
+    return math.prod(_sizes(cfg).values())
 
 
 def check_job(cfg) -> None:
@@ -109,7 +110,7 @@ def check_job(cfg) -> None:
     bad = [f"mesh.{a}={n}" for a, n in sizes.items() if n < 1]
     if bad:
         raise ValueError(f"config {', '.join(bad)}: mesh sizes must be >= 1")
-    needed = int(np.prod(list(sizes.values())))
+    needed = mesh_devices(cfg)
     if (cfg.get("distributed") or {}).get("num_processes", 1) == 1 and needed > len(jax.devices()):
         shown = ",".join(f"{a}={n}" for a, n in sizes.items() if n > 1)
         raise ValueError(f"config.mesh ({shown}) needs {needed} devices; {len(jax.devices())} are available")
@@ -129,7 +130,7 @@ def job_mesh(cfg):
                    None if n < 0 else d.get("process_id", 0))
     rules = job_rules(cfg)
     sizes = _sizes(cfg)
-    needed = int(np.prod(list(sizes.values()))) if sizes else 1
+    needed = mesh_devices(cfg)
     if needed == 1 and jax.process_count() == 1:
         return None, rules
     devices = jax.devices()

@@ -31,6 +31,7 @@ import collections
 import concurrent.futures
 import json
 import logging
+import math
 import os
 import time
 
@@ -421,7 +422,7 @@ def _engine_devices(cfg) -> dict[str, int]:
     """`rl.engine_mesh`'s axis sizes; a ValueError when they do not fit beside the learner's."""
     text = cfg.rl.engine_mesh
     sizes = sharding.parse_axes(text)
-    learner, wanted = distributed.mesh_devices(cfg), int(np.prod(list(sizes.values()) or [1]))
+    learner, wanted = distributed.mesh_devices(cfg), math.prod(sizes.values())
     if wanted != learner:
         raise ValueError(f"rl.engine_mesh={text!r} spans {wanted} devices and config.mesh {learner}: give the "
                          f"engine as many devices as the learner (axis sizes that multiply to {learner})")
@@ -463,10 +464,11 @@ def _run(cfg, workdir: str, make_rollout, mesh) -> dict:
     learner = Learner(policy, critic, dict(rl), mesh=mesh)
     engine = _engine(cfg, policy, mesh)
     store = engine.weights
-    if mesh is not None or engine_mesh(cfg, mesh) is not None:
+    disjoint = bool(rl.get("engine_mesh", ""))
+    if mesh is not None or disjoint:
         where = distributed.describe(mesh) if mesh is not None else "one device"
         engines = "the engine"
-        if engine_mesh(cfg, mesh) is not None:
+        if disjoint:
             ids = [d.id for d in engine.mesh.devices.flat]
             engines = f"the engine on devices {ids[0]}-{ids[-1]} ({distributed.describe(engine.mesh)})"
         elif processes > 1:
