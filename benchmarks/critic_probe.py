@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 from glmjax.presets import load_config  # noqa: E402
 from rl import rollout as ro  # noqa: E402
 from rl import tasks as rl_tasks  # noqa: E402
-from rl import trainer  # noqa: E402
+from rl import base_model  # noqa: E402
 from rl.cli import use_compile_cache  # noqa: E402
 from rl.collector import drive  # noqa: E402
 from rl.driver import Driver  # noqa: E402
@@ -141,7 +141,7 @@ def main(argv=None) -> dict:
     if args.rollouts + n_test > len(train):
         raise SystemExit(f"--rollouts={args.rollouts} needs {args.rollouts + n_test} training tasks; "
                          f"the config has task.train_tasks={len(train)}")
-    base = trainer.build_base(cfg, workdir)
+    base = base_model.build_base(cfg, workdir)
     engine = GlmEngine(base, weights=WeightStore(nnx.state(base)), max_concurrent_decodes=cfg.rl.slots,
                        max_len=cfg.task.max_len)
     fit_tasks, test_tasks = train[:args.rollouts], train[args.rollouts:args.rollouts + n_test]

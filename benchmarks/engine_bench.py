@@ -240,11 +240,11 @@ def bench_mtp_main_job(args, results: dict) -> None:
     RL temperature: accepted drafts per step and tokens/s against the same engine without
     drafts, with every prompt in flight at once as the job serves them, and at batch 1
     (--mtp-prompts of them, one at a time)."""
-    from rl import rollout as ro, tasks as rl_tasks, trainer
+    from rl import base_model, rollout as ro, tasks as rl_tasks
 
     cfg = presets.load_config(REPO / "configs" / "sao_tiny.py")
     with tempfile.TemporaryDirectory() as tmp:
-        model = trainer.build_base(cfg, tmp)
+        model = base_model.build_base(cfg, tmp)
         _, heldout, _ = rl_tasks.task_sets(cfg, tmp)
     heldout = heldout[:args.mtp_main_prompts]
     requests = [Request(ro.encode(t.prompt), cfg.task.max_new_tokens, temperature=float(cfg.rl.temperature), seed=i,

@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO))
 
 from glmjax.presets import load_config  # noqa: E402
 from rl import rollout as ro  # noqa: E402
-from rl import trainer  # noqa: E402
+from rl import base_model, trainer  # noqa: E402
 from rl.cli import use_compile_cache  # noqa: E402
 from rl.compaction import Rollout  # noqa: E402
 
@@ -130,7 +130,7 @@ def main(argv=None):
     base = root / "base-model"
     if not (base / "base" / "config.json").exists():  # the SFT base, once
         cfg = load_config(CONFIG, ["--config.rl.steps=0"])
-        trainer.build_base(cfg, str(base))
+        base_model.build_base(cfg, str(base))
     t0, load0 = time.time(), os.getloadavg()[0]
     results = {"config": "configs/sao_tiny.py", "load_average_start": load0}
     batches = [int(b) for b in args.batches.split(",")]

@@ -2,7 +2,7 @@
 
     glmjax-train --config configs/opd_tiny.py --workdir /tmp/opd
 
-  1. base: a short supervised start on demonstrations of every domain (rl/trainer.py's
+  1. base: a short supervised start on demonstrations of every domain (rl/base_model.py's
      recipe; cached in workdir/student_base): the student, evaluated on each domain;
   2. teachers: one specialist per task family, the base fine-tuned on that family's
      demonstrations alone and saved as an orbax teacher checkpoint (workdir/teachers/NAME);
@@ -40,7 +40,7 @@ from glmjax import distributed, sharding
 from envs import families
 from rl import opd
 from rl import rollout as ro
-from rl import trainer
+from rl import base_model, trainer
 from rl.driver import Driver, Request
 from rl.engine import GlmEngine
 from rl.learner import Learner
@@ -60,9 +60,9 @@ def _demonstrations(t, n: int, seed: int):
 
 
 def supervised(model: glmjax.GlmForCausalLM, tasks, sft, mesh=None) -> glmjax.GlmForCausalLM:
-    """rl/trainer.py's supervised recipe on the tasks' demonstrations."""
-    ids, mask = trainer.demonstrations(tasks, sft.seq_len)
-    return trainer.supervised(model, ids, mask, sft, mesh=mesh)
+    """rl/base_model.py's supervised recipe on the tasks' demonstrations."""
+    ids, mask = base_model.demonstrations(tasks, sft.seq_len)
+    return base_model.supervised(model, ids, mask, sft, mesh=mesh)
 
 
 def build_student(cfg, workdir: str, mesh=None) -> glmjax.GlmForCausalLM:

@@ -98,12 +98,12 @@ def _base(workdir) -> None:
     some held-out tasks, so that rewards, advantages and updates are not all zero), trained
     on one device in this process and cached in workdir/base."""
     from glmjax import presets
-    from rl import trainer
+    from rl import base_model
     from tests.test_trainer import REPO, TWO_LAYERS
 
     overrides = ["base.demonstrations=1000", "base.steps=150", *TWO_LAYERS]  # held out: 25% of 8
     cfg = presets.load_config(REPO / "configs" / "sao_tiny.py", overrides)
-    trainer.build_base(cfg, str(workdir))
+    base_model.build_base(cfg, str(workdir))
 
 
 def test_two_processes_run_the_sao_job_as_one(tmp_path):
