@@ -38,7 +38,7 @@ setup(
         # torch is pinned to the release whose CPU wheel the test machines carry; any other
         # version pulls the CUDA build (gigabytes) just to run the Hugging Face reference.
         # nbclient, nbformat and ipykernel execute notebooks/ablations.ipynb (tests/test_notebook.py).
-        "test": ["pytest-xdist", "torch==2.13.0", "transformers>=5.24,<6", "grpcio", "protobuf", "prometheus-client",
+        "test": ["pytest-xdist>=3.6", "torch==2.13.0", "transformers>=5.24,<6", "grpcio", "protobuf", "prometheus-client",
                  "nbclient", "nbformat", "ipykernel"],
         "serve": ["grpcio", "protobuf", "prometheus-client"],
         "gpu": [f"jax[cuda12]=={JAX_VERSION}"],
