@@ -51,6 +51,8 @@ def get_config(arg=None):
         critic_warmup=10, freeze_critic_attention=False, grad_clip=1.0,
         # actor updates over which actor_lr ramps up linearly from 0 (0: the full rate from the first)
         actor_warmup=0,
+        # beta of a KL(policy || base) term in the actor's loss (rl/sao.py: reference_kl; 0: off)
+        kl_coef=0.0,
         # generation pauses while a complete next batch waits: the engine and the learner share the machine
         generation_yields=True,
         num_draft=0, mtp_lr=0.0,

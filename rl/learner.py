@@ -6,7 +6,8 @@ One `Learner.step(batch)` (SAO, arXiv 2607.07508):
   3. K critic steps of masked MSE on those fixed returns (the first one's forward is step
      1's: values, advantages and returns come from it, detached, before its update);
   4. one actor step of the strict-band importance-sampling loss against the rollout
-     log-probs, unless the critic is still warming up (the first `critic_warmup` steps);
+     log-probs (with `kl_coef` > 0, plus that times the KL to the starting policy), unless
+     the critic is still warming up (the first `critic_warmup` steps);
      a batch whose loss or gradients are not finite is skipped and reported;
   5. with `mtp_lr` > 0, one step of the MTP layer's own loss (glmjax/train.mtp_loss) on
      the rollout's action tokens, so that its drafts keep up with the policy the engine
@@ -79,7 +80,7 @@ def _optimizer(model, lr: float, clip: float, wrt, warmup: int = 0) -> nnx.Optim
     return nnx.Optimizer(model, tx, wrt=wrt)
 
 
-def _policy_objective(policy, batch: sao.Batch, advantages, weights, cfg):
+def _policy_objective(policy, batch: sao.Batch, advantages, weights, cfg, logp_ref=None):
     logp, entropy = token_logprobs(policy, batch.tokens, cfg.get("temperature", 1.0))
     mask = batch.action_mask
     algorithm = cfg["algorithm"]
@@ -98,26 +99,34 @@ def _policy_objective(policy, batch: sao.Batch, advantages, weights, cfg):
                                   eps_high=cfg["eps_low"])
     m = mask.astype(jnp.float32)
     aux = dict(aux, entropy=jnp.sum(entropy * m) / jnp.maximum(m.sum(), 1.0), policy_loss=loss)
+    if logp_ref is not None:  # L + beta KL(pi_theta || pi_ref) (rl.kl_coef)
+        kl = sao.reference_kl(logp, logp_ref, mask, token_weights=weights)
+        loss = loss + cfg["kl_coef"] * kl
+        aux = dict(aux, kl_reference=kl)
     return loss, aux
 
 
-def _actor_grads(policy, batch, advantages, weights, cfg_items):
+def _actor_grads(policy, batch, advantages, weights, cfg_items, reference=None):
     cfg = dict(cfg_items)
+    logp_ref = None
+    if reference is not None:
+        logp_ref = jax.lax.stop_gradient(token_logprobs(reference, batch.tokens, cfg.get("temperature", 1.0))[0])
     (loss, aux), grads = nnx.value_and_grad(
-        lambda m: _policy_objective(m, batch, advantages, weights, cfg), argnums=nnx.DiffState(0, _POLICY_PARAMS),
-        has_aux=True)(policy)
+        lambda m: _policy_objective(m, batch, advantages, weights, cfg, logp_ref),
+        argnums=nnx.DiffState(0, _POLICY_PARAMS), has_aux=True)(policy)
     finite = jnp.isfinite(loss) & jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
     return grads, dict(aux, grad_norm=optax.tree.norm(grads), finite=finite)
 
 
 @functools.partial(nnx.jit, static_argnames=("cfg_items",))
-def _actor_step(policy, optimizer, batch, advantages, weights, cfg_items):
-    """Step 4 in one call: the objective's gradients, applied only when the loss and every
-    gradient are finite (aux["finite"] says whether they were)."""
+def _actor_step(policy, optimizer, reference, batch, advantages, weights, cfg_items):
+    """Step 4 in one call: the objective's gradients (with a `reference` model, its KL term
+    too), applied only when the loss and every gradient are finite (aux["finite"] says
+    whether they were)."""
     def update(p, o, g):
         o.update(p, g)
 
-    grads, aux = _actor_grads(policy, batch, advantages, weights, cfg_items)
+    grads, aux = _actor_grads(policy, batch, advantages, weights, cfg_items, reference)
     nnx.cond(aux["finite"], update, lambda p, o, g: None, policy, optimizer, grads)
     return aux
 
@@ -185,8 +194,9 @@ class Learner:
 
     cfg (the config's `rl` dict): algorithm, eps_low, eps_high, alpha, gamma, actor_lr,
     critic_lr, critic_steps (K), critic_warmup, actor_warmup (linear ramp of actor_lr over that
-    many actor updates), freeze_critic_attention, grad_clip, mtp_lr (step 5; 0 = off), and
-    the rollouts' sampling temperature (the policy's log-probs are taken at it).
+    many actor updates), freeze_critic_attention, grad_clip, kl_coef (KL to the starting
+    policy; 0 = off), mtp_lr (step 5; 0 = off), and the rollouts' sampling temperature (the
+    policy's log-probs are taken at it).
     """
 
     def __init__(self, policy: GlmForCausalLM, critic: ValueModel | None, cfg: Mapping[str, Any], *,
@@ -210,6 +220,8 @@ class Learner:
             if cfg.get("freeze_critic_attention", False):
                 wrt = nnx.All(wrt, nnx.Not(nnx.PathContains("attn")))
             self.critic_opt = _optimizer(self.critic, cfg["critic_lr"], clip, wrt)
+        # rl.kl_coef > 0: a frozen copy of the starting policy (the base) for the KL term
+        self.reference = nnx.clone(policy) if cfg.get("kl_coef", 0.0) > 0 else None
         self.mtp_opt = None
         if cfg.get("mtp_lr", 0.0) > 0:
             if policy.mtp is None:
@@ -221,8 +233,8 @@ class Learner:
         self._bound = None
         self.steps = 0
         self.skipped = 0
-        self._loss_keys = tuple(sorted((k, v) for k, v in self.cfg.items() if k in ("algorithm", "eps_low",
-                                                                                    "eps_high", "temperature")))
+        self._loss_keys = tuple(sorted((k, v) for k, v in self.cfg.items()
+                                       if k in ("algorithm", "eps_low", "eps_high", "temperature", "kl_coef")))
 
     @property
     def _fns(self) -> dict:
@@ -230,7 +242,7 @@ class Learner:
         module graphs are walked once, not at every call, which on a small model costs more
         than the step's arithmetic. Variables are shared, so restores and updates show."""
         if self._bound is None:
-            fns = {"actor_step": nnx.cached_partial(_actor_step, self.policy, self.actor_opt)}
+            fns = {"actor_step": nnx.cached_partial(_actor_step, self.policy, self.actor_opt, self.reference)}
             if self.critic is not None:
                 fns["critic_phase"] = nnx.cached_partial(_critic_phase, self.critic, self.critic_opt)
             if self.mtp_opt is not None:

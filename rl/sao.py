@@ -26,7 +26,8 @@ How it differs from textbook PPO (Schulman et al. 2017):
   * decoupled lambdas: 1.0 for the critic's targets, length-adaptive for the policy;
   * compaction (CompactionRL, arXiv 2607.05378): the segments of one rollout are chained
     in GAE and may be weighted so that the rollout counts once (`rollout_token_weights`);
-  * no entropy bonus, no KL-to-reference term, no advantage whitening here.
+  * no entropy bonus, no advantage whitening; a KL-to-reference term is an option beside it
+    (`reference_kl`, rl.kl_coef), off by default.
 
 Everything is a pure function of arrays. Shapes use the einsum legend (B rows, T tokens).
 A row is one trajectory, or one segment of a compacted one; rows of a rollout share
@@ -258,6 +259,24 @@ def sao_policy_loss(logp: jax.Array, logp_rollout: jax.Array, advantages: jax.Ar
         "kl_rollout": _mean(ratio - 1.0 - sg(log_r), m),
     }
     return loss, aux
+
+
+def reference_kl(logp: jax.Array, logp_ref: jax.Array, action_mask: jax.Array, *,
+                 token_weights: jax.Array | None = None) -> jax.Array:
+    """KL(pi_theta || pi_ref) on the sampled action tokens, by the k3 estimator (Schulman 2020):
+
+        k3_t = exp(logp_ref_t - logp_t) - (logp_ref_t - logp_t) - 1  >= 0
+
+    unbiased for tokens drawn from pi_theta (the rollout policy is within SAO's band of it),
+    its gradient pulls log pi_theta toward the reference on each sampled token. logp [B, T]
+    (differentiated), logp_ref [B, T] (constant), action_mask [B, T]; the same weighted token
+    mean as the policy loss. Off in SAO as published; an anchor for the tokens that the reward
+    does not depend on (fixed command syntax), which otherwise drift under the updates of
+    the ones it does."""
+    mask = action_mask.astype(bool)
+    d = jnp.where(mask, sg(logp_ref).astype(jnp.float32) - logp.astype(jnp.float32), 0.0)
+    w = mask.astype(jnp.float32) if token_weights is None else jnp.where(mask, token_weights, 0.0)
+    return _mean(jnp.exp(d) - d - 1.0, w)
 
 
 def value_loss(values: jax.Array, returns: jax.Array, action_mask: jax.Array, *,

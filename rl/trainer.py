@@ -198,6 +198,8 @@ def check_config(cfg) -> None:
         raise ValueError(f"rl.batch_size={rl.batch_size} must be a positive multiple of rl.group_size={group}")
     if group == 1 and rl.algorithm in ("grpo", "dapo", "gspo"):
         raise ValueError(f"rl.algorithm={rl.algorithm!r} compares rollouts of one prompt: set rl.group_size >= 2")
+    if rl.get("kl_coef", 0.0) < 0:
+        raise ValueError(f"rl.kl_coef={rl.kl_coef} is invalid: expected >= 0 (0 = off)")
     if rl.eta < 0:
         raise ValueError(f"rl.eta={rl.eta} is invalid: expected >= 0 (0 = synchronous)")
     if rl.slots < 1:

@@ -40,6 +40,20 @@ def test_sao_policy_loss_gradient_is_importance_weighted_pg():
     np.testing.assert_allclose(grad[0], -f * adv[0] / 4, rtol=1e-5, atol=1e-7)
 
 
+def test_reference_kl_k3_hand_computed_and_its_gradient_pulls_toward_the_reference():
+    logp = np.array([[-1.0, -2.0, -0.5, -3.0]], np.float32)
+    logp_ref = np.array([[-1.5, -1.0, -0.5, 9.0]], np.float32)  # last token: observation
+    mask = np.array([[1, 1, 1, 0]], np.float32)
+    d = np.array([-0.5, 1.0, 0.0])
+    np.testing.assert_allclose(sao.reference_kl(logp, logp_ref, mask), np.mean(np.exp(d) - d - 1), rtol=1e-5)
+    grad = np.asarray(jax.grad(lambda lp: sao.reference_kl(lp, logp_ref, mask))(jnp.asarray(logp)))[0]
+    np.testing.assert_allclose(grad, [(1 - math.exp(-0.5)) / 3, (1 - math.e) / 3, 0.0, 0.0], rtol=1e-5, atol=1e-7)
+    assert grad[0] > 0 and grad[1] < 0  # descent lowers logp above the reference, raises it below
+    w = np.array([[0.5, 0.25, 0.25, 0.0]], np.float32)
+    np.testing.assert_allclose(sao.reference_kl(logp, logp_ref, mask, token_weights=w),
+                               0.5 * (math.exp(-0.5) - 0.5) + 0.25 * (math.e - 2), rtol=1e-5)
+
+
 def test_sao_policy_loss_garbage_off_mask_stays_finite():
     logp, logp_rollout, adv, mask = _policy_case()
     logp_rollout[0, 4] = -np.inf  # e.g. a prompt position the engine never scored
