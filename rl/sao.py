@@ -262,21 +262,24 @@ def sao_policy_loss(logp: jax.Array, logp_rollout: jax.Array, advantages: jax.Ar
 
 
 def reference_kl(logp: jax.Array, logp_ref: jax.Array, action_mask: jax.Array, *,
-                 token_weights: jax.Array | None = None) -> jax.Array:
+                 token_weights: jax.Array | None = None, bound: float = 10.0) -> jax.Array:
     """KL(pi_theta || pi_ref) on the sampled action tokens, by the k3 estimator (Schulman 2020):
 
-        k3_t = exp(logp_ref_t - logp_t) - (logp_ref_t - logp_t) - 1  >= 0
+        k3_t = min(exp(logp_ref_t - logp_t) - (logp_ref_t - logp_t) - 1, bound)  >= 0
 
     unbiased for tokens drawn from pi_theta (the rollout policy is within SAO's band of it),
     its gradient pulls log pi_theta toward the reference on each sampled token. logp [B, T]
     (differentiated), logp_ref [B, T] (constant), action_mask [B, T]; the same weighted token
     mean as the policy loss. Off in SAO as published; an anchor for the tokens that the reward
     does not depend on (fixed command syntax), which otherwise drift under the updates of
-    the ones it does."""
+    the ones it does. `bound` (verl's low_var_kl clamps at 10): a token the policy has all but
+    given up while the reference still likes it (exp(d) unbounded; a stale rollout's token
+    at a high learning rate reached k3 = 708 in one step) adds at most `bound` and no gradient,
+    rather than deciding the whole step."""
     mask = action_mask.astype(bool)
     d = jnp.where(mask, sg(logp_ref).astype(jnp.float32) - logp.astype(jnp.float32), 0.0)
     w = mask.astype(jnp.float32) if token_weights is None else jnp.where(mask, token_weights, 0.0)
-    return _mean(jnp.exp(d) - d - 1.0, w)
+    return _mean(jnp.minimum(jnp.exp(d) - d - 1.0, bound), w)
 
 
 def value_loss(values: jax.Array, returns: jax.Array, action_mask: jax.Array, *,

@@ -52,6 +52,12 @@ def test_reference_kl_k3_hand_computed_and_its_gradient_pulls_toward_the_referen
     w = np.array([[0.5, 0.25, 0.25, 0.0]], np.float32)
     np.testing.assert_allclose(sao.reference_kl(logp, logp_ref, mask, token_weights=w),
                                0.5 * (math.exp(-0.5) - 0.5) + 0.25 * (math.e - 2), rtol=1e-5)
+    # a token the policy has abandoned (d = 6: k3 = e^6 - 7 = 396) counts as the bound, with no gradient
+    far = logp.copy()
+    far[0, 1] = logp_ref[0, 1] - 6.0
+    np.testing.assert_allclose(sao.reference_kl(far, logp_ref, mask), (math.exp(-0.5) - 0.5 + 10.0) / 3, rtol=1e-5)
+    grad = np.asarray(jax.grad(lambda lp: sao.reference_kl(lp, logp_ref, mask))(jnp.asarray(far)))[0]
+    np.testing.assert_allclose(grad, [(1 - math.exp(-0.5)) / 3, 0.0, 0.0, 0.0], rtol=1e-5, atol=1e-7)
 
 
 def test_sao_policy_loss_garbage_off_mask_stays_finite():

@@ -153,7 +153,7 @@ AGENT = [*(f"--config.{o}" for o in TWO_LAYERS), "--config.task.train_tasks=24",
          "--config.base.steps=4", "--config.rl.steps=4", "--config.rl.batch_size=4", "--config.rl.slots=4",
          "--config.rl.eta=0", "--config.rl.critic_warmup=1", "--config.checkpoint_every=2",
          "--config.rl.warmup_compile=False", "--config.eval.matrix_tasks=4", "--config.eval.samples=2",
-         "--config.eval.ks=1,2"]
+         "--config.eval.ks=1,2", "--config.rl.validate_every=0"]
 
 
 def test_a_killed_agentic_run_resumes(tmp_path):
