@@ -3,15 +3,18 @@
 On GPU and TPU this is `jax.lax.ragged_dot` (megablox / Triton grouped GEMM). XLA:CPU
 lowers ragged_dot as a dense product against every group, E times the work, so on a CPU
 the rows are laid out in fixed-size tiles instead, each tile holding rows of one expert
-only (groups padded up to a tile multiple), and a loop runs the tiles one at a time,
-each against its expert's weights read in place. Exact, no dropped rows; padding costs at
-most E - 1 tiles, and tiles past the last group are skipped.
+only (groups padded up to a tile multiple), and each tile is multiplied by its expert's
+weights. Exact, no dropped rows; padding costs at most E - 1 tiles, and tiles past the
+last group are skipped (the loop) or give zeros (the batched matmul).
 
-Why a loop and not one batched matmul: batching the tiles needs their weights gathered
-into [tiles, D, F] first, a copy of every expert's weights per call that costs more than
-the products themselves when a group holds few rows (decoding); a dense pass over all
-experts reads each weight once but does E / X times the work. In the loop each tile reads
-its expert's weights once, straight from the parameter.
+Small tiles run in a loop, large ones in one batched matmul. Batching the tiles needs
+their weights gathered into [tiles, D, F] first, a copy of D * F per tile beside its
+t * D * F products: it costs more than the products themselves when a group holds few
+rows (decoding), and little once tiles hold BATCHED_TILE rows or more (prefill, training),
+where the loop's thousands of small ops (a cond and a rematerialised body per tile in the
+backward pass) cost more instead. A dense pass over all experts reads each weight once
+but does E / X times the work. In the loop each tile reads its expert's weights once,
+straight from the parameter.
 
 Legend: M sorted rows, D in features, F out features, E groups (experts), n tiles, t rows
 per tile.
@@ -23,6 +26,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.reference import jit_when_eager
+
+
+BATCHED_TILE = 32  # rows per tile from which the tiles run as one batched matmul
 
 
 def tile_size(rows: int, groups: int) -> int:
@@ -78,6 +84,14 @@ def _swiglu_tiles(layout: TiledLayout, x_tiles, gate, up, down):
     return y
 
 
+def _swiglu_batched(layout: TiledLayout, x_tiles, gate, up, down):
+    """x_tiles [n, t, D] -> [n, t, D]: every tile at once, each against its expert's
+    weights gathered to [n, D, F] (padding tiles hold zeros and give zeros)."""
+    w = lambda p: p[layout.tile_group].astype(x_tiles.dtype)  # noqa: E731
+    h = jax.nn.silu(jnp.einsum("ntD,nDF->ntF", x_tiles, w(gate))) * jnp.einsum("ntD,nDF->ntF", x_tiles, w(up))
+    return jnp.einsum("ntF,nFD->ntD", h, w(down))
+
+
 @jit_when_eager  # an eager call compiles the tile scan once per shape, not at every call
 def swiglu_experts(x, experts, weights, gate, up, down):
     """sum_x weights[n, x] * down_e(silu(x_n gate_e) * (x_n up_e)) with e = experts[n, x].
@@ -97,7 +111,10 @@ def swiglu_experts(x, experts, weights, gate, up, down):
         h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, sizes)) * jax.lax.ragged_dot(xs, up, sizes)
         ys = jax.lax.ragged_dot(h, down, sizes)
     else:
-        layout = TiledLayout(sizes, xs.shape[0], tile_size(xs.shape[0], e))
-        ys = layout.gather(_swiglu_tiles(layout, layout.scatter(xs), gate, up, down))
+        tile = tile_size(xs.shape[0], e)
+        batched = tile >= BATCHED_TILE and all(isinstance(w, jax.Array) for w in (gate, up, down))
+        run = _swiglu_batched if batched else _swiglu_tiles
+        layout = TiledLayout(sizes, xs.shape[0], tile)
+        ys = layout.gather(run(layout, layout.scatter(xs), gate, up, down))
     y = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, -1)  # back to token order
     return jnp.einsum("NXD,NX->ND", y, weights.astype(y.dtype))
