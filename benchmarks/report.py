@@ -64,7 +64,7 @@ def model_bench(r) -> list[str]:
                          _num(r[f"hf_{k}_steady_tokens_per_s"], "tok/s"), _num(r[f"{k}_floor_tokens_per_s"], "tok/s"),
                          _num(r[f"{k}_over_floor"])])
     shape = r["learner_step_shape"]
-    rows.append([f"SAO learner step, main job ({shape['rows']} x {shape['tokens']} tokens)",
+    rows.append([f"SAO learner step, sorting job ({shape['rows']} x {shape['tokens']} tokens)",
                  _num(1e3 * r["learner_step_seconds"], "ms"), DASH, _num(1e3 * r["learner_step_floor_seconds"], "ms"),
                  _num(r["learner_step_over_floor"])])
     top = max(int(k[len("decode_b"):-len("_over_floor")]) for k in r if k.startswith("decode_b")
@@ -91,7 +91,7 @@ def engine_bench(r) -> list[str]:
         rows.append(["MTP, 5 drafts, rule corpus (batch 1)", f"{r['mtp_accept_len']:.2f} accepted, "
                      f"{r['mtp_speedup_b1']:.2f}x", "no drafts 1.00x", "5 accepted"])
     if "mtp_accept_len_main_job_b1" in r:
-        rows.append(["MTP, 5 drafts, main job's base at T=0.5 (batch 1)",
+        rows.append(["MTP, 5 drafts, sorting job's base at T=0.5 (batch 1)",
                      f"{r['mtp_accept_len_main_job_b1']:.2f} accepted, {r['mtp_speedup_main_job_b1']:.2f}x",
                      "no drafts 1.00x", "5 accepted"])
     rows.append(["router utilisation, 2 replicas x 8 slots", _num(r["router_utilization"]),
@@ -126,7 +126,7 @@ def dsa_bench(r) -> list[str]:
 
 def rl_bench(r) -> list[str]:
     h = r["throughput"][f"batch{r['headline_batch']}"]
-    return [_source("rl_bench", "Asynchronous RL"), f"The main job's loop at batch {r['headline_batch']}.", ""] + _table(
+    return [_source("rl_bench", "Asynchronous RL"), f"The sorting job's loop at batch {r['headline_batch']}.", ""] + _table(
         ["", "asynchronous", "synchronous (peer)", "bound"],
         [["rollouts per second", _num(h["async_rollouts_per_s"]), _num(h["sync_rollouts_per_s"]),
           f"{h['bound']:.2f}x sync"],

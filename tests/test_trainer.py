@@ -1,6 +1,7 @@
 """The SAO job end to end at a toy size: a SIGKILLed run resumes exactly from the newest
 checkpoint that reads, and its summary counts the whole run."""
 
+import collections
 import json
 import os
 import pathlib
@@ -176,6 +177,26 @@ def test_a_killed_agentic_run_resumes(tmp_path):
     assert matrix["tasks"] == 4 and set(matrix["pass_at_k"]) == {"pass@1", "pass@2"}
     low, high = matrix["pass_at_k"]["pass@2"]["ci95"]
     assert low <= matrix["pass_at_k"]["pass@2"]["value"] <= high
+
+
+def test_the_agentic_job_trains_on_a_harbor_directory(tmp_path):
+    """`--config.task.harbor_dir=DIR`: the tasks are DIR's, each checked before it trains;
+    line-count-weak's verifier fails the checks and clip-audio needs ffmpeg, which this host
+    lacks: both are excluded and counted by status."""
+    cmd = _cmd(tmp_path)[:3] + ["--config", str(REPO / "configs" / "sao_agent_tiny.py"), "--workdir", str(tmp_path),
+                                *AGENT, f"--config.task.harbor_dir={REPO / 'tests' / 'harbor_tasks'}",
+                                "--config.model.max_position_embeddings=768", "--config.task.max_len=768",
+                                "--config.model.index_topk=768", "--config.base.seq_len=768",
+                                "--config.rl.steps=2", "--config.eval.matrix_tasks=2"]
+    out = subprocess.run(cmd, env=_env(), cwd=REPO, capture_output=True, timeout=900)
+    assert out.returncode == 0, out.stderr.decode()[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    statuses = {json.loads(line)["task"]: json.loads(line)["status"] for line in (tmp_path / "validation.jsonl").open()}
+    assert len(statuses) == 5 and statuses["line-count-weak"] == "fail", statuses
+    excluded = collections.Counter(s for s in statuses.values() if s != "pass")
+    assert summary["excluded_tasks"] == dict(excluded)
+    passed = sum(s == "pass" for s in statuses.values())
+    assert summary["steps"] == 2 and summary["train_tasks"] + summary["heldout_tasks"] == passed
 
 
 def test_the_job_on_a_mesh_trains_as_on_one_device(tmp_path, uninterrupted_run):
