@@ -235,9 +235,38 @@ def ablations(r) -> list[str]:
         ["comparison", "baseline", "variant"], rows)
 
 
+def gpu_kernels(r) -> list[str]:
+    if r.get("smoke", True):
+        return []
+    headline = ("flash_mla_prefill fwd", "absorbed_mla prefill", "absorbed_mla decode", "indexer scores bf16",
+                "sparse_mla prefill fwd")
+    rows = [[c["case"], _num(c["ms"], "ms"), _num(c["tflops"], "TFLOP/s"), f"{c['pct_flops']:.1f}%",
+             _num(c["gbps"], "GB/s"), f"{c['pct_bw']:.1f}%"] for c in r["cases"] if c["case"] in headline]
+    ok = sum(c["ok"] for c in r["cases"])
+    return [f"**Pallas kernels on one {r['device']}** (`benchmarks/gpu_kernels.py`, "
+            f"[results/gpu_kernels.json](results/gpu_kernels.json)): GLM-5's attention shapes in bf16 (4,096-token "
+            f"prefill, 32 decode sequences of up to 32,768 keys, top-2,048); {ok} of {len(r['cases'])} kernels "
+            f"match their fp32 references within {r['tolerance']:g} of the largest value. Percentages are of the "
+            "chip's dense bf16 peak and HBM bandwidth.", ""] + _table(
+        ["kernel", "time", "compute", "of peak", "traffic", "of bandwidth"], rows)
+
+
+def gpu_model(r) -> list[str]:
+    rows = []
+    for key, label in (("prefill", f"prefill, {r['prefill']['tokens']:,} tokens"),
+                       ("train_step", f"training step, {r['train_step']['tokens']:,} tokens"),
+                       ("decode", f"greedy decode, batch {r['decode']['batch']}, {r['decode']['new_tokens']} tokens")):
+        rows.append([label, _num(r[key]["xla"]["median_s"] * 1e3, "ms"), _num(r[key]["pallas"]["median_s"] * 1e3, "ms"),
+                     f"{r[f'{key}_pallas_speedup']:.2f}x"])
+    return [f"**The model on one {r['device']}** (`benchmarks/gpu_model.py`, [results/gpu_model.json]"
+            f"(results/gpu_model.json)): `configs/small.py` in bf16, `kernel_impl=\"pallas\"` against `\"xla\"` on the "
+            f"same weights; in float32 the two agree on {100 * r['f32_argmax_agreement_pallas_vs_xla']:.2f}% of "
+            "next tokens.", ""] + _table(["", "xla", "pallas", "speedup"], rows)
+
+
 SECTIONS = (("model_bench", model_bench), ("engine_bench", engine_bench), ("dsa_bench", dsa_bench),
             ("rl_bench", rl_bench), ("agent_bench", agent_bench), ("opd_bench", opd_bench),
-            ("sharding_bench", sharding_bench))
+            ("sharding_bench", sharding_bench), ("gpu_kernels", gpu_kernels), ("gpu_model", gpu_model))
 
 
 def render() -> str:

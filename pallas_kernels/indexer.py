@@ -120,7 +120,9 @@ def indexer_scores(q, w, k, q_pos, *, fp8: bool = False, block_q: int = 32, bloc
 def indexer_topk(q, w, k, q_pos, *, topk: int, fp8: bool = False, chunk: int = reference.QUERY_BLOCK,
                  backend: str | None = None):
     """Top-k key positions [B, T, min(topk, S)] int32 of the indexer's scores, -1 where
-    fewer than topk keys are visible (the signature of `reference.indexer_topk`)."""
+    fewer than topk keys are visible (the signature of `reference.indexer_topk`). A
+    selection: no gradient flows through it (the scoring kernel has no VJP to call)."""
+    q, w, k = (jax.lax.stop_gradient(x) for x in (q, w, k))
 
     def one_chunk(qb, wb, pos):
         return reference.select_topk(indexer_scores(qb, wb, k, pos, fp8=fp8, backend=backend), topk)

@@ -91,14 +91,18 @@ def _whole(x):
     return pl.BlockSpec((None,) + x.shape[1:], lambda b, t: (b,) + (0,) * (x.ndim - 1))
 
 
+def _heads(x, block_h: int):
+    """BlockSpec of one token's block_h heads of a [B, T, H, ...] array on grid (b, t, h)."""
+    return pl.BlockSpec((None, None, block_h) + x.shape[3:], lambda b, t, g: (b, t, g) + (0,) * (x.ndim - 3))
+
+
 @functools.lru_cache(maxsize=None)
-def _attention(scale: float, block_p: int, backend: str):
-    kw = dict(scale=scale, block_p=block_p)
+def _attention(scale: float, block_p: int, block_p_bwd: int, block_h: int, backend: str):
 
     def _forward(qc, qr, c, r, idx, pos):
         b, t, h, cw = qc.shape
         return call(
-            functools.partial(_forward_kernel, **kw), backend=backend, grid=(b, t),
+            functools.partial(_forward_kernel, scale=scale, block_p=block_p), backend=backend, grid=(b, t),
             in_specs=[_token(qc), _token(qr), _whole(c), _whole(r), _token(idx), _token(pos)],
             out_specs=[_token(qc), pl.BlockSpec((None, None, h), lambda i, j: (i, j, 0))],
             out_shape=[jax.ShapeDtypeStruct(qc.shape, qc.dtype), jax.ShapeDtypeStruct((b, t, h), jnp.float32)],
@@ -120,12 +124,17 @@ def _attention(scale: float, block_p: int, backend: str):
         delta = jnp.einsum("BTHC,BTHC->BTH", o.astype(jnp.float32), do.astype(jnp.float32))
         dc0 = jnp.zeros((b, s + 1, c.shape[-1]), jnp.float32)
         dr0 = jnp.zeros((b, s + 1, r.shape[-1]), jnp.float32)
-        row = pl.BlockSpec((None, None, h), lambda i, j: (i, j, 0))
+        # grid (b, t, head block): a program holds block_h heads' q, do and dq, so a wide
+        # latent (GLM-5's C = 512 at 64 heads) stays inside shared memory and registers.
+        token = lambda x: pl.BlockSpec((None, None) + x.shape[2:], lambda i, j, g: (i, j) + (0,) * (x.ndim - 2))  # noqa: E731
+        whole = lambda x: pl.BlockSpec((None,) + x.shape[1:], lambda i, j, g: (i,) + (0,) * (x.ndim - 1))  # noqa: E731
+        row = pl.BlockSpec((None, None, block_h), lambda i, j, g: (i, j, g))
         dqc, dqr, dc, dr = call(
-            functools.partial(_backward_kernel, **kw), backend=backend, grid=(b, t),
-            in_specs=[_token(qc), _token(qr), _whole(c), _whole(r), _token(idx), _token(pos), _token(do), row, row,
-                      _whole(dc0), _whole(dr0)],
-            out_specs=[_token(qc), _token(qr), _whole(dc0), _whole(dr0)],
+            functools.partial(_backward_kernel, scale=scale, block_p=block_p_bwd), backend=backend,
+            grid=(b, t, h // block_h),
+            in_specs=[_heads(qc, block_h), _heads(qr, block_h), whole(c), whole(r), token(idx), token(pos),
+                      _heads(do, block_h), row, row, whole(dc0), whole(dr0)],
+            out_specs=[_heads(qc, block_h), _heads(qr, block_h), whole(dc0), whole(dr0)],
             out_shape=[jax.ShapeDtypeStruct(qc.shape, qc.dtype), jax.ShapeDtypeStruct(qr.shape, qr.dtype),
                        jax.ShapeDtypeStruct(dc0.shape, dc0.dtype), jax.ShapeDtypeStruct(dr0.shape, dr0.dtype)],
             input_output_aliases={9: 2, 10: 3},
@@ -138,14 +147,17 @@ def _attention(scale: float, block_p: int, backend: str):
 
 
 def sparse_mla_attention(q_c, q_r, c_kv, k_r, q_pos, topk_idx, *, scale: float, block_p: int | None = None,
-                         backend: str | None = None):
+                         block_h: int | None = None, backend: str | None = None):
     """Absorbed MLA over each query's selected keys (the signature of
     `reference.sparse_mla_attention`).
 
     q_c [B, T, H, C], q_r [B, T, H, R], c_kv [B, S, C], k_r [B, S, R], q_pos [B, T],
     topk_idx [B, T, P] key positions (-1 = empty; a key also has to be <= q_pos).
     Returns o_c [B, T, H, C]. Differentiable in q_c, q_r, c_kv and k_r.
-    block_p: selected rows gathered per step (None: 64, or 32 for latents wider than 256).
+    block_p: selected rows gathered per step (None: 64; the backward then gathers 16 for
+    latents wider than 256). block_h: heads per backward program (None: as many as keep
+    block_h * C <= 16384). The defaults for GLM-5's C = 512 at 64 heads are the fastest that
+    fit an H200's shared memory (results/gpu_kernels.json, "sweep").
     """
     backend = resolve(backend)
     b, t, h, c = q_c.shape
@@ -155,10 +167,12 @@ def sparse_mla_attention(q_c, q_r, c_kv, k_r, q_pos, topk_idx, *, scale: float, 
         raise ValueError(f"expected q_c [B, T, H, C], q_r [B, T, H, R], c_kv [B, S, C], k_r [B, S, R], q_pos [B, T], "
                          f"topk_idx [B, T, P]; got {q_c.shape}, {q_r.shape}, {c_kv.shape}, {k_r.shape}, "
                          f"{q_pos.shape}, {topk_idx.shape}")
-    bp = min(block_p or (64 if c <= 256 else 32), pow2(p, 16))
+    bp = min(block_p or 64, pow2(p, 16))
+    bp_bwd = min(bp, 16) if block_p is None and c > 256 else bp
     hp, cp, rp = pow2(h, 16), pow2(c, 16), pow2(r, 16)
     heads = lambda x, w: pad_axis(pad_axis(x, 2, hp), 3, w)  # noqa: E731
     idx = pad_axis(topk_idx.astype(jnp.int32), 2, round_up(p, bp), value=-1)
-    op = _attention(float(scale), bp, backend)
+    bh = min(hp, pow2(block_h or max(16, 16384 // cp), 16))
+    op = _attention(float(scale), bp, bp_bwd, bh, backend)
     o = op(heads(q_c, cp), heads(q_r, rp), pad_axis(c_kv, 2, cp), pad_axis(k_r, 2, rp), idx, q_pos.astype(jnp.int32))
     return o[:, :, :h, :c]

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax import export
 
 import glmjax
@@ -198,6 +199,19 @@ def test_sparse_mla_gradients():
         _close(got, want)
 
 
+
+def test_sparse_mla_gradients_in_head_blocks():
+    """36 heads pad to 64 and the backward runs 4 programs of 16 heads per token, each
+    adding its heads' share of dc_kv / dk_rope."""
+    t, s, p, h = 5, 16, 8, 36
+    args = _normal(15, (B, t, h, C), (B, t, h, R), (B, s, C), (B, s, R))
+    pos, idx = _positions(t, s), _selection(16, t, s, p)
+    kernel = lambda *a: sparse_mla.sparse_mla_attention(*a, pos, idx, scale=SCALE, block_p=16, block_h=16)  # noqa: E731
+    ref = lambda *a: reference.sparse_mla_attention(*a, pos, idx, scale=SCALE)  # noqa: E731
+    for got, want in zip(_grads(kernel, args, (0, 1, 2, 3)), _grads(ref, args, (0, 1, 2, 3))):
+        _close(got, want)
+
+
 # -- 5. dispatch and the whole model ------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["mla_attention", "sparse_mla_attention", "indexer_topk"])
@@ -228,6 +242,20 @@ def test_model_logits_pallas_equal_xla():
     caches = [m(ids[:, :20], cache=glmjax.KVCache.init(config, 2, 32)).cache for m in (xla, pallas)]
     step = [m(ids[:, 20:22], cache=cache).logits for m, cache in zip((xla, pallas), caches)]
     assert float(jnp.max(jnp.abs(step[0] - step[1]))) <= 1e-4
+
+
+def test_model_gradients_pallas_equal_xla():
+    """A training step through the kernels: the sparse attention's backward kernel gives
+    the reference's gradients, and the indexer's selection passes none (it has no VJP)."""
+    config = _tiny_config()
+    ids = jnp.asarray(np.random.default_rng(1).integers(0, config.vocab_size, (2, 24)))
+    grads = []
+    for impl in ("xla", "pallas"):
+        graphdef, params, rest = nnx.split(glmjax.init_model(config.replace(kernel_impl=impl), seed=0), nnx.Param, ...)
+        loss = lambda p: jnp.mean(nnx.merge(graphdef, p, rest)(ids).logits ** 2)  # noqa: E731,B023
+        grads.append(jax.grad(loss)(params))
+    for got, want in zip(jax.tree.leaves(grads[1]), jax.tree.leaves(grads[0])):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6, rtol=1e-4)
 
 
 def test_shared_indexshare_layers_score_nothing_and_cache_no_indexer_keys():
@@ -302,3 +330,20 @@ def test_gpu_kernel_check_runs_in_smoke_mode():
     report = module.run(smoke=True)
     assert len(report["cases"]) == 11
     assert all(case["ok"] for case in report["cases"]), [c for c in report["cases"] if not c["ok"]]
+
+
+def test_gpu_model_check_runs_in_smoke_mode():
+    """benchmarks/gpu_model.py on the tiny model in interpret mode: in float32 the Pallas
+    arm computes the reference's logits."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_model.py"
+    spec = importlib.util.spec_from_file_location("gpu_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    report = module.run(48, 48, 2, 16, 4, repeats=1, smoke=True, config_file="configs/tiny.py")
+    assert report["index_topk"] < 48  # the sparse path runs
+    assert report["f32_logits_rel_err_pallas_vs_xla"] <= 1e-4
+    assert report["f32_argmax_agreement_pallas_vs_xla"] == 1.0
+    assert report["decode"]["pallas"]["tokens_per_s"] > 0
