@@ -80,24 +80,30 @@ def test_tiled_layout_keeps_each_tile_in_one_expert():
     np.testing.assert_array_equal(tile_group[dest // 4], groups)
 
 
-@pytest.mark.parametrize("tokens", [16, 64])  # tiles of 8 rows (the loop) and 32 (batched)
+# tiles of 8 rows (the loop forward, its batched backward) and of 32 rows of small experts
+# (batched both ways); some padded, some skipped
+@pytest.mark.parametrize("tokens", [16, 64])
 def test_expert_gradients_flow_through_the_tiles(tokens):
+    """The batched backward of the tile loop: gradients for the rows and all three expert
+    weights against autodiff of a one-hot formulation."""
     e, d, f = 4, 8, 6
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(tokens)
     x = jnp.asarray(rng.normal(size=(tokens, d)), jnp.float32)
     experts = jnp.asarray(np.stack([rng.choice(e, 2, replace=False) for _ in range(tokens)]), jnp.int32)
-    weights = jnp.ones((tokens, 2), jnp.float32)
+    weights = jnp.asarray(rng.uniform(size=(tokens, 2)), jnp.float32)
     gate, up = (jnp.asarray(rng.normal(size=(e, d, f)) * 0.3, jnp.float32) for _ in range(2))
     down = jnp.asarray(rng.normal(size=(e, f, d)) * 0.3, jnp.float32)
+    probe = jnp.asarray(rng.normal(size=(tokens, d)), jnp.float32)
 
-    def dense(gate):
-        return jnp.sum(jnp.asarray(_numpy_like(x, experts, weights, gate, up, down)) ** 2)
+    def dense(*a):
+        return jnp.sum(jnp.asarray(_numpy_like(a[0], experts, weights, *a[1:])) * probe)
 
-    def tiled(gate):
-        return jnp.sum(gmm.swiglu_experts(x, experts, weights, gate, up, down) ** 2)
+    def tiled(*a):
+        return jnp.sum(gmm.swiglu_experts(a[0], experts, weights, *a[1:]) * probe)
 
-    np.testing.assert_allclose(np.asarray(jax.grad(tiled)(gate)), np.asarray(jax.grad(dense)(gate)),
-                               rtol=1e-4, atol=1e-5)
+    args = (x, gate, up, down)
+    for got, want in zip(jax.grad(tiled, argnums=(0, 1, 2, 3))(*args), jax.grad(dense, argnums=(0, 1, 2, 3))(*args)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-5)
 
 
 def _numpy_like(x, experts, weights, gate, up, down):

@@ -4,17 +4,16 @@ On GPU and TPU this is `jax.lax.ragged_dot` (megablox / Triton grouped GEMM). XL
 lowers ragged_dot as a dense product against every group, E times the work, so on a CPU
 the rows are laid out in fixed-size tiles instead, each tile holding rows of one expert
 only (groups padded up to a tile multiple), and each tile is multiplied by its expert's
-weights. Exact, no dropped rows; padding costs at most E - 1 tiles, and tiles past the
-last group are skipped (the loop) or give zeros (the batched matmul).
+weights. Exact, no dropped rows; padding costs at most E - 1 tiles.
 
-Small tiles run in a loop, large ones in one batched matmul. Batching the tiles needs
-their weights gathered into [tiles, D, F] first, a copy of D * F per tile beside its
-t * D * F products: it costs more than the products themselves when a group holds few
-rows (decoding), and little once tiles hold BATCHED_TILE rows or more (prefill, training),
-where the loop's thousands of small ops (a cond and a rematerialised body per tile in the
-backward pass) cost more instead. A dense pass over all experts reads each weight once
-but does E / X times the work. In the loop each tile reads its expert's weights once,
-straight from the parameter.
+The forward runs the tiles in a loop: each tile reads its expert's weights in place, and
+tiles past the last group are skipped. The backward runs every tile at once, its weights
+gathered to [tiles, D, F] and the weight gradients summed back per expert: there the loop
+would rematerialise each tile under a cond, thousands of small ops, while the batched
+products' gathered copies cost little beside twice the forward's FLOPs. The forward's
+gate and up products are kept for it. (Batching the forward costs more than the loop at
+every size measured here but one: large tiles of small experts, whose products take less
+than the loop's cost per tile. Those run as one batched matmul, forward and backward.)
 
 Legend: M sorted rows, D in features, F out features, E groups (experts), n tiles, t rows
 per tile.
@@ -28,7 +27,8 @@ import jax.numpy as jnp
 from pallas_kernels.reference import jit_when_eager
 
 
-BATCHED_TILE = 32  # rows per tile from which the tiles run as one batched matmul
+BATCHED_TILE = 32  # rows per tile from which small experts' tiles run as one batched matmul
+LOOP_TILE_MACS = 1 << 22  # a tile's products from which the loop's per-tile cost is small beside them
 
 
 def tile_size(rows: int, groups: int) -> int:
@@ -65,31 +65,66 @@ class TiledLayout:
         return y.reshape(-1, y.shape[-1])[self.dest]
 
 
-def _swiglu_tiles(layout: TiledLayout, x_tiles, gate, up, down):
-    """x_tiles [n, t, D] -> [n, t, D]: tile i through expert tile_group[i], one tile at a
-    time, its weights converted to x's dtype there (so stored bf16 or quantized weights
-    are read at their own size). Each step is rematerialised in the backward pass, so
-    nothing per tile is kept but its input; the weight gradients accumulate in place."""
+def _tile_loop(x_tiles, tile_group, tile_used, gate, up, down):
+    """x_tiles [n, t, D] -> (y [n, t, D], g, u [n, t, F]): tile i through expert
+    tile_group[i], one tile at a time, its weights converted to x's dtype there (so stored
+    bf16 or quantized weights are read at their own size); g and u are the gate and up
+    products, zeros for the skipped tiles."""
+    t, f = x_tiles.shape[1], gate.shape[-1]
 
-    @jax.checkpoint
     def one(x, e, used):  # x [t, D]
         def run(x):
             w = lambda p: p[e].astype(x.dtype)  # noqa: E731
-            h = jax.nn.silu(jnp.einsum("tD,DF->tF", x, w(gate))) * jnp.einsum("tD,DF->tF", x, w(up))
-            return jnp.einsum("tF,FD->tD", h, w(down))
+            g, u = jnp.einsum("tD,DF->tF", x, w(gate)), jnp.einsum("tD,DF->tF", x, w(up))
+            return jnp.einsum("tF,FD->tD", jax.nn.silu(g) * u, w(down)), g, u
 
-        return jax.lax.cond(used, run, jnp.zeros_like, x)
+        def skip(x):
+            return jnp.zeros_like(x), jnp.zeros((t, f), x.dtype), jnp.zeros((t, f), x.dtype)
 
-    _, y = jax.lax.scan(lambda _, xs: (None, one(*xs)), None, (x_tiles, layout.tile_group, layout.tile_used))
-    return y
+        return jax.lax.cond(used, run, skip, x)
+
+    _, out = jax.lax.scan(lambda _, xs: (None, one(*xs)), None, (x_tiles, tile_group, tile_used))
+    return out
 
 
-def _swiglu_batched(layout: TiledLayout, x_tiles, gate, up, down):
+def _swiglu_batched(x_tiles, tile_group, gate, up, down):
     """x_tiles [n, t, D] -> [n, t, D]: every tile at once, each against its expert's
     weights gathered to [n, D, F] (padding tiles hold zeros and give zeros)."""
-    w = lambda p: p[layout.tile_group].astype(x_tiles.dtype)  # noqa: E731
+    w = lambda p: p[tile_group].astype(x_tiles.dtype)  # noqa: E731
     h = jax.nn.silu(jnp.einsum("ntD,nDF->ntF", x_tiles, w(gate))) * jnp.einsum("ntD,nDF->ntF", x_tiles, w(up))
     return jnp.einsum("ntF,nFD->ntD", h, w(down))
+
+
+@jax.custom_vjp
+def _swiglu_tiles(x_tiles, tile_group, tile_used, gate, up, down):
+    """x_tiles [n, t, D] -> [n, t, D]: the tile loop forward, the batched backward."""
+    return _tile_loop(x_tiles, tile_group, tile_used, gate, up, down)[0]
+
+
+def _swiglu_tiles_fwd(x_tiles, tile_group, tile_used, gate, up, down):
+    y, g, u = _tile_loop(x_tiles, tile_group, tile_used, gate, up, down)
+    return y, (x_tiles, tile_group, g, u, gate, up, down)
+
+
+def _swiglu_tiles_bwd(res, dy):
+    """y = h down_e, h = silu(g) u, g = x gate_e, u = x up_e, per tile with e = its expert:
+    dh = dy down_e^T, du = dh silu(g), dg = dh u silu'(g), dx = dg gate_e^T + du up_e^T;
+    each tile's weight gradient (x^T dg, x^T du, h^T dy) is added into its expert's."""
+    x, tile_group, g, u, gate, up, down = res
+    w = lambda p: p[tile_group].astype(x.dtype)  # noqa: E731
+    sig = jax.nn.sigmoid(g)
+    silu = g * sig
+    dh = jnp.einsum("ntD,nFD->ntF", dy, w(down))
+    du = dh * silu
+    dg = dh * u * sig * (1 + g * (1 - sig))
+    dx = jnp.einsum("ntF,nDF->ntD", dg, w(gate)) + jnp.einsum("ntF,nDF->ntD", du, w(up))
+    per_expert = lambda d, p: jnp.zeros(p.shape, d.dtype).at[tile_group].add(d).astype(p.dtype)  # noqa: E731
+    return (dx, None, None, per_expert(jnp.einsum("ntD,ntF->nDF", x, dg), gate),
+            per_expert(jnp.einsum("ntD,ntF->nDF", x, du), up),
+            per_expert(jnp.einsum("ntF,ntD->nFD", silu * u, dy), down))
+
+
+_swiglu_tiles.defvjp(_swiglu_tiles_fwd, _swiglu_tiles_bwd)
 
 
 @jit_when_eager  # an eager call compiles the tile scan once per shape, not at every call
@@ -111,10 +146,15 @@ def swiglu_experts(x, experts, weights, gate, up, down):
         h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, sizes)) * jax.lax.ragged_dot(xs, up, sizes)
         ys = jax.lax.ragged_dot(h, down, sizes)
     else:
-        tile = tile_size(xs.shape[0], e)
-        batched = tile >= BATCHED_TILE and all(isinstance(w, jax.Array) for w in (gate, up, down))
-        run = _swiglu_batched if batched else _swiglu_tiles
-        layout = TiledLayout(sizes, xs.shape[0], tile)
-        ys = layout.gather(run(layout, layout.scatter(xs), gate, up, down))
+        layout = TiledLayout(sizes, xs.shape[0], tile_size(xs.shape[0], e))
+        args = (layout.scatter(xs), layout.tile_group, layout.tile_used, gate, up, down)
+        arrays = all(isinstance(w, jax.Array) for w in (gate, up, down))
+        if not arrays:  # quantized weights (inference only): the loop, dequantizing one expert at a time
+            y_tiles = _tile_loop(*args)[0]
+        elif layout.tile >= BATCHED_TILE and layout.tile * gate.shape[1] * gate.shape[2] < LOOP_TILE_MACS:
+            y_tiles = _swiglu_batched(args[0], layout.tile_group, gate, up, down)  # small experts, many rows
+        else:
+            y_tiles = _swiglu_tiles(*args)
+        ys = layout.gather(y_tiles)
     y = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, -1)  # back to token order
     return jnp.einsum("NXD,NX->ND", y, weights.astype(y.dtype))
