@@ -65,26 +65,30 @@ class TiledLayout:
         return y.reshape(-1, y.shape[-1])[self.dest]
 
 
-def _tile_loop(x_tiles, tile_group, tile_used, gate, up, down):
-    """x_tiles [n, t, D] -> (y [n, t, D], g, u [n, t, F]): tile i through expert
-    tile_group[i], one tile at a time, its weights converted to x's dtype there (so stored
-    bf16 or quantized weights are read at their own size); g and u are the gate and up
-    products, zeros for the skipped tiles."""
-    t, f = x_tiles.shape[1], gate.shape[-1]
+def _expert_products(x, gate, up, down):
+    """One tile x [t, D] through one expert's weights (converted to x's dtype here, so
+    stored bf16 or quantized weights are read at their own size): y [t, D] and the gate
+    and up products g, u [t, F]."""
+    w = lambda p: p.astype(x.dtype)  # noqa: E731
+    g, u = jnp.einsum("tD,DF->tF", x, w(gate)), jnp.einsum("tD,DF->tF", x, w(up))
+    return jnp.einsum("tF,FD->tD", jax.nn.silu(g) * u, w(down)), g, u
 
-    def one(x, e, used):  # x [t, D]
-        def run(x):
-            w = lambda p: p[e].astype(x.dtype)  # noqa: E731
-            g, u = jnp.einsum("tD,DF->tF", x, w(gate)), jnp.einsum("tD,DF->tF", x, w(up))
-            return jnp.einsum("tF,FD->tD", jax.nn.silu(g) * u, w(down)), g, u
 
-        def skip(x):
-            return jnp.zeros_like(x), jnp.zeros((t, f), x.dtype), jnp.zeros((t, f), x.dtype)
+def _tile_loop(per_tile, x_tiles, tile_group, tile_used, gate, up, down):
+    """per_tile(x [t, D], gate_e, up_e, down_e) for each tile i with e = tile_group[i], one
+    tile at a time, its expert's weights read in place; zeros for the skipped tiles."""
 
+    def one(x, e, used):
+        run = lambda x: per_tile(x, gate[e], up[e], down[e])  # noqa: E731
+        skip = lambda x: jax.tree.map(jnp.zeros_like, jax.eval_shape(run, x))  # noqa: E731
         return jax.lax.cond(used, run, skip, x)
 
     _, out = jax.lax.scan(lambda _, xs: (None, one(*xs)), None, (x_tiles, tile_group, tile_used))
     return out
+
+
+def _outputs(x, gate, up, down):
+    return _expert_products(x, gate, up, down)[0]
 
 
 def _swiglu_batched(x_tiles, tile_group, gate, up, down):
@@ -98,11 +102,11 @@ def _swiglu_batched(x_tiles, tile_group, gate, up, down):
 @jax.custom_vjp
 def _swiglu_tiles(x_tiles, tile_group, tile_used, gate, up, down):
     """x_tiles [n, t, D] -> [n, t, D]: the tile loop forward, the batched backward."""
-    return _tile_loop(x_tiles, tile_group, tile_used, gate, up, down)[0]
+    return _tile_loop(_outputs, x_tiles, tile_group, tile_used, gate, up, down)
 
 
 def _swiglu_tiles_fwd(x_tiles, tile_group, tile_used, gate, up, down):
-    y, g, u = _tile_loop(x_tiles, tile_group, tile_used, gate, up, down)
+    y, g, u = _tile_loop(_expert_products, x_tiles, tile_group, tile_used, gate, up, down)
     return y, (x_tiles, tile_group, g, u, gate, up, down)
 
 
@@ -150,7 +154,7 @@ def swiglu_experts(x, experts, weights, gate, up, down):
         args = (layout.scatter(xs), layout.tile_group, layout.tile_used, gate, up, down)
         arrays = all(isinstance(w, jax.Array) for w in (gate, up, down))
         if not arrays:  # quantized weights (inference only): the loop, dequantizing one expert at a time
-            y_tiles = _tile_loop(*args)[0]
+            y_tiles = _tile_loop(_outputs, *args)
         elif layout.tile >= BATCHED_TILE and layout.tile * gate.shape[1] * gate.shape[2] < LOOP_TILE_MACS:
             y_tiles = _swiglu_batched(args[0], layout.tile_group, gate, up, down)  # small experts, many rows
         else:
