@@ -6,8 +6,8 @@ the rows are laid out in fixed-size tiles instead, each tile holding rows of one
 only (groups padded up to a tile multiple), and each tile is multiplied by its expert's
 weights. Exact, no dropped rows; padding costs at most E - 1 tiles.
 
-The forward runs the tiles in a loop: each tile reads its expert's weights in place, and
-tiles past the last group are skipped. The backward runs every tile at once, its weights
+The forward runs the tiles in a loop: each tile takes its own expert's weights (a dynamic
+slice, which XLA:CPU copies before the matmul), and tiles past the last group are skipped. The backward runs every tile at once, its weights
 gathered to [tiles, D, F] and the weight gradients summed back per expert: there the loop
 would rematerialise each tile under a cond, thousands of small ops, while the batched
 products' gathered copies cost little beside twice the forward's FLOPs. The forward's
@@ -76,7 +76,7 @@ def _expert_products(x, gate, up, down):
 
 def _tile_loop(per_tile, x_tiles, tile_group, tile_used, gate, up, down):
     """per_tile(x [t, D], gate_e, up_e, down_e) for each tile i with e = tile_group[i], one
-    tile at a time, its expert's weights read in place; zeros for the skipped tiles."""
+    tile at a time, its expert's weights sliced out there; zeros for the skipped tiles."""
 
     def one(x, e, used):
         run = lambda x: per_tile(x, gate[e], up[e], down[e])  # noqa: E731
