@@ -82,13 +82,13 @@ def _backward_kernel(qc_ref, qr_ref, c_ref, r_ref, idx_ref, pos_ref, do_ref, lse
 
 
 def _token(x):
-    """BlockSpec of one token's slice of a [B, T, ...] array on grid (b, t)."""
-    return pl.BlockSpec((None, None) + x.shape[2:], lambda b, t: (b, t) + (0,) * (x.ndim - 2))
+    """BlockSpec of one token's slice of a [B, T, ...] array on grid (b, t, ...)."""
+    return pl.BlockSpec((None, None) + x.shape[2:], lambda b, t, *_: (b, t) + (0,) * (x.ndim - 2))
 
 
 def _whole(x):
-    """BlockSpec of one batch row of a [B, ...] array on grid (b, t)."""
-    return pl.BlockSpec((None,) + x.shape[1:], lambda b, t: (b,) + (0,) * (x.ndim - 1))
+    """BlockSpec of one batch row of a [B, ...] array on grid (b, t, ...)."""
+    return pl.BlockSpec((None,) + x.shape[1:], lambda b, *_: (b,) + (0,) * (x.ndim - 1))
 
 
 def _heads(x, block_h: int):
@@ -126,15 +126,13 @@ def _attention(scale: float, block_p: int, block_p_bwd: int, block_h: int, backe
         dr0 = jnp.zeros((b, s + 1, r.shape[-1]), jnp.float32)
         # grid (b, t, head block): a program holds block_h heads' q, do and dq, so a wide
         # latent (GLM-5's C = 512 at 64 heads) stays inside shared memory and registers.
-        token = lambda x: pl.BlockSpec((None, None) + x.shape[2:], lambda i, j, g: (i, j) + (0,) * (x.ndim - 2))  # noqa: E731
-        whole = lambda x: pl.BlockSpec((None,) + x.shape[1:], lambda i, j, g: (i,) + (0,) * (x.ndim - 1))  # noqa: E731
         row = pl.BlockSpec((None, None, block_h), lambda i, j, g: (i, j, g))
         dqc, dqr, dc, dr = call(
             functools.partial(_backward_kernel, scale=scale, block_p=block_p_bwd), backend=backend,
             grid=(b, t, h // block_h),
-            in_specs=[_heads(qc, block_h), _heads(qr, block_h), whole(c), whole(r), token(idx), token(pos),
-                      _heads(do, block_h), row, row, whole(dc0), whole(dr0)],
-            out_specs=[_heads(qc, block_h), _heads(qr, block_h), whole(dc0), whole(dr0)],
+            in_specs=[_heads(qc, block_h), _heads(qr, block_h), _whole(c), _whole(r), _token(idx), _token(pos),
+                      _heads(do, block_h), row, row, _whole(dc0), _whole(dr0)],
+            out_specs=[_heads(qc, block_h), _heads(qr, block_h), _whole(dc0), _whole(dr0)],
             out_shape=[jax.ShapeDtypeStruct(qc.shape, qc.dtype), jax.ShapeDtypeStruct(qr.shape, qr.dtype),
                        jax.ShapeDtypeStruct(dc0.shape, dc0.dtype), jax.ShapeDtypeStruct(dr0.shape, dr0.dtype)],
             input_output_aliases={9: 2, 10: 3},
