@@ -28,6 +28,9 @@ from flax import nnx
 import glmjax
 from glmjax.presets import load_config, model_config_from
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import floor  # noqa: E402
+
 ARMS = ("xla", "pallas")
 
 
@@ -45,7 +48,7 @@ def _models(config: glmjax.ModelConfig) -> dict:
 
 def _forward(model):
     graphdef, state = nnx.split(model)
-    return jax.jit(lambda ids: nnx.merge(graphdef, state)(ids).logits), state
+    return jax.jit(lambda ids: nnx.merge(graphdef, state)(ids).logits)
 
 
 def _train_step(model):
@@ -61,19 +64,14 @@ def _train_step(model):
     return lambda ids: step(params, ids)
 
 
-def _timed(fn, *args) -> float:
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    return time.perf_counter() - start
-
-
 def _interleaved(fns: dict, args: tuple, repeats: int) -> dict:
     """Median seconds per arm, the arms alternating repeat by repeat (first call: compile)."""
-    compile_s = {arm: _timed(fn, *args) for arm, fn in fns.items()}
+    wall = lambda fn: floor.clock(lambda: fn(*args))[0]  # noqa: E731
+    compile_s = {arm: wall(fn) for arm, fn in fns.items()}
     times = {arm: [] for arm in fns}
     for _ in range(repeats):
         for arm, fn in fns.items():
-            times[arm].append(_timed(fn, *args))
+            times[arm].append(wall(fn))
     return {arm: {"median_s": statistics.median(t), "first_call_s": compile_s[arm], "repeats": len(t)}
             for arm, t in times.items()}
 
@@ -105,7 +103,7 @@ def run(prefill_tokens: int, train_tokens: int, decode_batch: int, prompt: int, 
     # matmul precision; in bfloat16 rounding flips discrete choices (experts, top-k keys),
     # so each arm is judged by how often its next token matches the float32 one.
     ids = jnp.asarray(rng.integers(0, config.vocab_size, (1, prefill_tokens)), jnp.int32)
-    forwards = {key: _forward(m)[0] for key, m in models.items()}
+    forwards = {key: _forward(m) for key, m in models.items()}
     with jax.default_matmul_precision("highest"):  # float32 without TF32 passes, in XLA and Triton alike
         logits = {key: forwards[key](ids) for key in models if key[1] == "float32"}
     logits |= {key: forwards[key](ids) for key in models if key[1] == "bfloat16"}
@@ -172,7 +170,4 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-    import floor
-
     floor.main_with_profile(main, "gpu_model")  # --profile DIR: a JAX profiler trace of the run
