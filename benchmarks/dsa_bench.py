@@ -21,8 +21,9 @@ of up to 3 rounds in which the three variants run back to back, so that other lo
 the machine hits them alike; long contexts get fewer rounds to fit ~20 minutes on two CPU
 cores. Wall-clock seconds are the figures; process CPU seconds and each arm's CPU / wall
 ratio (cores kept busy) are recorded beside them, with the same ratios computed from CPU
-time under "cpu_time". A run starved of the cores (benchmarks/floor.py) is run again,
-counted under "reruns". --profile DIR writes a JAX profiler trace of each arm.
+time under "cpu_time", and in FLOPs under "flops" (what a ratio would be if every arm ran
+at one rate). A run starved of the cores (benchmarks/floor.py) is run again, counted
+under "reruns". --profile DIR writes a JAX profiler trace of each arm.
 
 The JSON also states the live memory of the sparse path at 32k: XLA's own accounting
 (`compiled.memory_analysis()`) of the DSA attention pieces compiled for one layer.
@@ -206,6 +207,18 @@ def summarise(results, clock: str = "") -> dict:
     }
 
 
+def flop_ratios() -> dict:
+    """The same ratios in FLOPs (benchmarks/floor.py's count of a causal prefill): what
+    each would be if every arm ran at one rate. The indexer scores every visible key, so
+    DSA's FLOPs per token grow with the context too."""
+    top, low = CONTEXTS[-1], 4096
+    per_token = lambda v, ctx: floor.forward_flops(VARIANTS[v], 1, ctx)["total"] / ctx  # noqa: E731
+    return {"dsa_vs_dense_prefill_32k": per_token("dense", top) / per_token("dsa", top),
+            "indexshare_vs_dsa_prefill_32k": per_token("dsa", top) / per_token("indexshare", top),
+            "dsa_per_token_32k_over_4k": per_token("dsa", top) / per_token("dsa", low),
+            "mflop_per_token": {v: {str(c): per_token(v, c) / 1e6 for c in (low, top)} for v in VARIANTS}}
+
+
 def goals(summary: dict) -> dict:
     return {k: {"goal": f"{op} {v}", "value": summary[k], "met": summary[k] >= v if op == ">=" else summary[k] <= v}
             for k, (op, v) in GOALS.items()}
@@ -269,10 +282,11 @@ def main():
         report["goals"] = goals(report)
         report["cpu_time"] = summarise(results, "cpu_")  # the same ratios from process CPU seconds
         report["cpu_time"]["goals"] = goals(report["cpu_time"])
+        report["flops"] = flop_ratios()
         for k, g in report["goals"].items():
             cpu = report["cpu_time"][k]
             print(f"{k:>32}: {g['value']:.2f} (goal {g['goal']}: {'met' if g['met'] else 'missed'}; "
-                  f"cpu-time {cpu:.2f})")
+                  f"cpu-time {cpu:.2f}; in FLOPs {report['flops'].get(k, float('nan')):.2f})")
     mem = report["sparse_path_memory_32k"]
     print("sparse path temp bytes at 32k:", {k: v["temp_bytes"] for k, v in mem.items() if isinstance(v, dict)})
     out.write_text(json.dumps(report, indent=2))

@@ -110,18 +110,23 @@ def dsa_bench(r) -> list[str]:
     dec = lambda v: res[v]["decode"][top]["s_per_step"]  # noqa: E731
     goals = r.get("goals", {})
     goal = lambda k: goals.get(k, {}).get("goal", DASH)  # noqa: E731
+    flops = lambda k: f"{r['flops'][k]:.2f}x" if "flops" in r else DASH  # noqa: E731
     rows = [["prefill at 32k, ms per token", _num(1e3 * pre("dsa")), _num(1e3 * pre("dense")),
-             f"{r['dsa_vs_dense_prefill_32k']:.2f}x", goal("dsa_vs_dense_prefill_32k")],
+             f"{r['dsa_vs_dense_prefill_32k']:.2f}x", flops("dsa_vs_dense_prefill_32k"),
+             goal("dsa_vs_dense_prefill_32k")],
             ["decode at 32k, ms per step (batch 8)", _num(1e3 * dec("dsa")), _num(1e3 * dec("dense")),
-             f"{r['dsa_vs_dense_decode_32k']:.2f}x", goal("dsa_vs_dense_decode_32k")],
+             f"{r['dsa_vs_dense_decode_32k']:.2f}x", DASH, goal("dsa_vs_dense_decode_32k")],
             ["IndexShare prefill at 32k, ms per token", _num(1e3 * pre("indexshare")), f"DSA {_num(1e3 * pre('dsa'))}",
-             f"{r['indexshare_vs_dsa_prefill_32k']:.2f}x", goal("indexshare_vs_dsa_prefill_32k")],
+             f"{r['indexshare_vs_dsa_prefill_32k']:.2f}x", flops("indexshare_vs_dsa_prefill_32k"),
+             goal("indexshare_vs_dsa_prefill_32k")],
             ["DSA cost per token, 32k over 4k", f"{r['dsa_per_token_32k_over_4k']:.2f}x",
-             f"dense {pre('dense') / pre('dense', '4096'):.2f}x", DASH, goal("dsa_per_token_32k_over_4k")]]
+             f"dense {pre('dense') / pre('dense', '4096'):.2f}x", flops("dsa_per_token_32k_over_4k"),
+             goal("dsa_per_token_32k_over_4k")]]
     return [_source("dsa_bench", "Sparse attention"),
             "A 4-layer model with GLM-5's attention at a quarter of its widths, XLA path, wall time; the plot is "
-            "[results/dsa_bench.png](results/dsa_bench.png).", ""] + _table(
-        ["", "DSA", "dense (peer)", "DSA speedup", "goal"], rows)
+            "[results/dsa_bench.png](results/dsa_bench.png). \"in FLOPs\" is the same ratio if every arm ran at one "
+            "rate (benchmarks/floor.py's count).", ""] + _table(
+        ["", "DSA", "dense (peer)", "DSA speedup", "in FLOPs", "goal"], rows)
 
 
 def rl_bench(r) -> list[str]:

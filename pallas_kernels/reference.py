@@ -35,6 +35,7 @@ _NEG = -1e30  # finite "minus infinity" of the online softmax: _NEG - _NEG is 0,
 QUERY_BLOCK = 256
 KEY_BLOCK = 1024  # keys per step of the walk (decode included: measured best on CPU)
 SPARSE_QUERY_BLOCK = 16  # the gathered rows of a block, [16, P, C + R], stay in cache
+TOPK_BANDS = 8  # key bands the indexer's selection chooses among (indexer_topk)
 
 
 def jit_when_eager(fn=None, *, static_argnames: tuple[str, ...] = ()):
@@ -201,14 +202,39 @@ def select_topk(scores: jax.Array, topk: int) -> jax.Array:
     return jnp.where(jnp.isfinite(values), idx, -1).astype(jnp.int32)
 
 
+def key_bands(num_keys: int) -> list[int]:
+    """The key counts a query block's selection may scan: num_keys cut into at most
+    TOPK_BANDS equal bands of whole KEY_BLOCKs, as [band, 2 * band, ..., num_keys]."""
+    band = -(-num_keys // TOPK_BANDS // KEY_BLOCK) * KEY_BLOCK
+    return [min(j * band, num_keys) for j in range(1, -(-num_keys // band) + 1)]
+
+
 @jit_when_eager(static_argnames=("topk", "block"))
 def indexer_topk(q, w, k, q_pos, *, topk: int, block: int = QUERY_BLOCK):
-    """`select_topk(indexer_scores(...))` fused per query block: O(block * S) memory."""
+    """`select_topk(indexer_scores(...))` fused per query block: O(block * S) memory.
+
+    A block scores and ranks only the keys up to its last visible one, rounded up to a
+    band of `key_bands` (a `lax.switch` over the bands): `top_k` costs in proportion to the
+    keys it scans, and causally the first half of the blocks sees under half of them. The
+    keys left out are invisible to the whole block, so the selection is the same.
+    """
 
     k = k.astype(jnp.float32)
+    width = min(topk, k.shape[1])
+
+    def over(length):
+        def select(qb, wb, pos):
+            idx = select_topk(_score_block(qb, wb, pos, k[:, :length], KEY_BLOCK), topk)
+            return jnp.pad(idx, [(0, 0), (0, 0), (0, width - idx.shape[-1])], constant_values=-1)
+        return select
+
+    bands = key_bands(k.shape[1])
 
     def one_block(qb, wb, pos):
-        return select_topk(_score_block(qb, wb, pos, k, KEY_BLOCK), topk)
+        if len(bands) == 1:
+            return over(bands[0])(qb, wb, pos)
+        band = jnp.clip(jnp.max(pos) // bands[0], 0, len(bands) - 1)  # the band holding the last visible key
+        return jax.lax.switch(band, [over(n) for n in bands], qb, wb, pos)
 
     return map_query_blocks(one_block, block, q, w, q_pos)
 

@@ -85,6 +85,20 @@ def test_blockwise_references_match_dense_formulas(t, s, block, key_block):
     _close(jnp.where(jnp.isfinite(naive), scores, 0), jnp.where(jnp.isfinite(naive), naive, 0))
 
 
+@pytest.mark.parametrize("topk", [7, 1500])  # 1500: more slots than the first band's 1024 keys
+def test_reference_selection_over_key_bands_equals_top_k_of_all_scores(topk):
+    t, s = 600, 2500  # key bands [1024, 2048, 2500]: query blocks of 256 end in bands 0, 1 and 2
+    assert reference.key_bands(s) == [1024, 2048, 2500]
+    q, w, k = _normal(4, (B, t, G, I), (B, t, G), (B, s, I))
+    pos = jnp.stack([jnp.arange(t), jnp.arange(t) * 4]).astype(jnp.int32)
+    got = reference.indexer_topk(q, w, k, pos, topk=topk)
+    scores = _naive_scores(q, w, k, pos)
+    want = jax.lax.top_k(scores, topk)[1]
+    want = jnp.where(jnp.isfinite(jnp.take_along_axis(scores, want, -1)), want, -1)
+    assert got.shape == (B, t, topk)
+    _assert_same_selection(got, want, scores)
+
+
 def test_reference_sparse_equals_dense_when_everything_is_selected():
     t = s = 19
     q_c, q_r, c_kv, k_r = _latents(2, t, s)
