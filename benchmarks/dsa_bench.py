@@ -14,9 +14,10 @@ vs 8 * 32 multiply-adds) and a latent row is 4.5x the bytes of an indexer key. H
 512, 4 layers with dense SwiGLU MLPs. It runs the XLA path (kernel_impl="xla":
 interpret-mode Pallas is far too slow to time), fp32.
 
-Prefill: seconds per token of `model(ids)` over the whole context. Decode: seconds per
-step of one new token for each of 8 sequences whose caches hold the context (a serving
-batch; at batch 1 a CPU step reads more weight bytes than cache bytes). Times are medians
+Prefill: seconds per token of `model(ids)` over the whole context, with the logits of its
+last token (`logits_at`). Decode: seconds per step of one new token for each of 8
+sequences whose caches hold the context (a serving batch; at batch 1 a CPU step reads
+more weight bytes than cache bytes). Times are medians
 of up to 3 rounds in which the three variants run back to back, so that other load on
 the machine hits them alike; long contexts get fewer rounds to fit ~20 minutes on two CPU
 cores. Wall-clock seconds are the figures; process CPU seconds and each arm's CPU / wall
@@ -97,7 +98,7 @@ def prefill_runner(config, context: int):
 
     @jax.jit
     def prefill(state, ids):
-        return nnx.merge(graphdef, state)(ids).logits[:, -1]
+        return nnx.merge(graphdef, state)(ids, logits_at=jnp.full((1, 1), context - 1)).logits[:, 0]
 
     compiled = prefill.lower(state, ids).compile()
     return lambda: floor.clock(lambda: compiled(state, ids))
@@ -212,7 +213,7 @@ def flop_ratios() -> dict:
     each would be if every arm ran at one rate. The indexer scores every visible key, so
     DSA's FLOPs per token grow with the context too."""
     top, low = CONTEXTS[-1], 4096
-    per_token = lambda v, ctx: floor.forward_flops(VARIANTS[v], 1, ctx)["total"] / ctx  # noqa: E731
+    per_token = lambda v, ctx: floor.forward_flops(VARIANTS[v], 1, ctx, logits=1)["total"] / ctx  # noqa: E731
     return {"dsa_vs_dense_prefill_32k": per_token("dense", top) / per_token("dsa", top),
             "indexshare_vs_dsa_prefill_32k": per_token("dsa", top) / per_token("indexshare", top),
             "dsa_per_token_32k_over_4k": per_token("dsa", top) / per_token("dsa", low),

@@ -12,7 +12,7 @@ over measured time (1.0 = at the floor).
 
 FLOPs are counted from the config (`forward_flops`): 2 per multiply-add of every matmul
 weight a token passes through (the routed experts at X/E of their size, embeddings not: a
-lookup), plus attention over the keys each query sees (absorbed MLA: its scores over the
+lookup; the LM head only where logits are wanted, one position per row in a prefill), plus attention over the keys each query sees (absorbed MLA: its scores over the
 C + R wide key and its values over the C wide latent; top-k keys on DSA layers) and the
 indexer's scoring on layers that own one. Bytes are the weights a step reads (dense ones,
 and the routed experts a batch touches under uniform routing) plus the cache rows it reads.
@@ -73,7 +73,8 @@ def _is_expert(names) -> bool:
 @functools.lru_cache(maxsize=8)
 def weight_sizes(config: glmjax.ModelConfig) -> dict:
     """Matmul weights by kind, in elements: {"dense", "experts", "embed", "mtp"} (norm
-    scales and biases left out); traced once per config (decode_floor asks per step)."""
+    scales and biases left out), and "head", the LM head's part of "dense"; traced once per
+    config (decode_floor asks per step)."""
     abstract = nnx.state(nnx.eval_shape(lambda: glmjax.init_model(config)), nnx.Param)
     sizes = {"dense": 0, "experts": 0, "embed": 0, "mtp": 0}
     for path, leaf in jax.tree_util.tree_leaves_with_path(abstract):
@@ -85,19 +86,23 @@ def weight_sizes(config: glmjax.ModelConfig) -> dict:
         sizes[kind] += int(leaf.size)
     if config.tie_word_embeddings:
         sizes["dense"] += config.vocab_size * config.hidden_size  # the head reads the embedding
+    sizes["head"] = config.vocab_size * config.hidden_size  # the LM head's part of "dense"
     return sizes
 
 
-def forward_flops(config: glmjax.ModelConfig, rows: int, queries: int, cached: int = 0) -> dict:
+def forward_flops(config: glmjax.ModelConfig, rows: int, queries: int, cached: int = 0,
+                  logits: int | None = None) -> dict:
     """FLOPs of a forward of `queries` new tokens in each of `rows` sequences after `cached`
-    cached ones (causal: the query at position p sees p + 1 keys). Returns {"matmul",
-    "attention", "experts", "total"}; "experts" (a part of "matmul") is what
+    cached ones (causal: the query at position p sees p + 1 keys), with the LM head at
+    `logits` positions per row (default every query; a prefill needs one). Returns
+    {"matmul", "attention", "experts", "total"}; "experts" (a part of "matmul") is what
     rematerialising the expert tiles repeats in a backward pass."""
     c = config
     sizes = weight_sizes(c)
     tokens = rows * queries
     experts = 2 * tokens * sizes["experts"] * c.num_experts_per_tok / c.n_routed_experts
-    matmul = 2 * tokens * sizes["dense"] + experts
+    head = 2 * rows * (queries if logits is None else logits) * sizes["head"]
+    matmul = 2 * tokens * (sizes["dense"] - sizes["head"]) + head + experts
     per_key = 2 * c.num_attention_heads * (2 * c.kv_lora_rank + c.qk_rope_head_dim)  # scores + values
     per_index_key = 2 * c.index_n_heads * c.index_head_dim
     attention = 0
@@ -131,8 +136,9 @@ def decode_step_bytes(config: glmjax.ModelConfig, batch: int, context: int) -> i
 
 
 def prefill_floor(config, rows: int, length: int, ceiling: dict) -> float:
-    """Seconds: a prefill's FLOPs at the matmul rate (its weight reads are far below)."""
-    return seconds(forward_flops(config, rows, length)["total"], 0, ceiling)
+    """Seconds: a prefill's FLOPs (the next token's logits only) at the matmul rate (its
+    weight reads are far below)."""
+    return seconds(forward_flops(config, rows, length, logits=1)["total"], 0, ceiling)
 
 
 def decode_floor(config, batch: int, prompt: int, new: int, ceiling: dict) -> float:

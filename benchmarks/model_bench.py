@@ -5,7 +5,8 @@ transformers, same weights, one run.
 
 The model is configs/small.py with random weights, written by glmjax.save_pretrained and
 read by transformers' AutoModelForCausalLM, so both run identical parameters in fp32.
-  * prefill: batch 4 x 512 tokens, the forward that writes the KV cache.
+  * prefill: batch 4 x 512 tokens, the forward that writes the KV cache and gives the next
+    token's logits (glmjax's logits_at, transformers' logits_to_keep=1).
   * decode: greedy generation of --new-tokens tokens after 64-token prompts at batch 1, 8
     and 64: glmjax.generate against transformers' generate with its KV cache, and at the
     largest batch also the rollout engine (rl/engine.py through its Driver) on the same
@@ -13,7 +14,8 @@ read by transformers' AutoModelForCausalLM, so both run identical parameters in 
     for 1) over n - 1, the same way on both sides.
   * learner: one SAO learner step of the main job (configs/sao_tiny.py: batch 64 x 28
     tokens, the critic's values and 2 updates, then the actor's update) on a random batch.
-Floors (benchmarks/floor.py, measured in this run): prefill FLOPs at the matmul rate; per
+Floors (benchmarks/floor.py, measured in this run): prefill FLOPs (the LM head at the last
+token) at the matmul rate; per
 decode step the larger of its FLOPs at that rate and its bytes at the read bandwidth; the
 learner step's FLOPs (9 forwards: 2 critic updates and 1 actor update, each a forward and
 a backward, the first critic forward also giving the values; and the expert tiles
@@ -60,7 +62,8 @@ def _prefill_arms(args, config, model, hf, rng) -> tuple[dict, float]:
     @jax.jit
     def prefill(state, ids):
         m = nnx.merge(graphdef, state)
-        return m(ids, cache=glmjax.KVCache.init(m.config, ids.shape[0], ids.shape[1])).logits[:, -1]
+        last = jnp.full((ids.shape[0], 1), ids.shape[1] - 1)
+        return m(ids, cache=glmjax.KVCache.init(m.config, ids.shape[0], ids.shape[1]), logits_at=last).logits[:, 0]
 
     jids, tids = jnp.asarray(ids, jnp.int32), torch.tensor(ids)
 

@@ -25,7 +25,8 @@ from glmjax.sampling import sample, sampling_logprobs, token_logprobs
 
 
 class Prefilled(NamedTuple):
-    out: ModelOutput  # the forward of ids; out.cache is `cache` below before its lengths were set
+    out: ModelOutput  # the forward of ids (logits [B, 1, N]: the last real token's); out.cache is `cache`
+    # below before its lengths were set
     cache: KVCache  # lengths = the old lengths + true_length
     token: jax.Array  # [B] the sampled next token
     log_prob: jax.Array  # [B] its behaviour log-prob (glmjax/sampling.token_logprobs)
@@ -35,8 +36,8 @@ def prefill(model: GlmForCausalLM, cache: KVCache, ids: jax.Array, true_length: 
             temperature: jax.Array, top_k: jax.Array, key: jax.Array, max_top_k: int) -> Prefilled:
     """ids [B, T] int32 after cache [B, S]; true_length, temperature, top_k, key [B]."""
     start = cache.lengths  # [B]
-    out = model(ids, cache=cache)
-    logits = out.logits[jnp.arange(ids.shape[0]), true_length - 1]  # [B, N] at each row's last real token
+    out = model(ids, cache=cache, logits_at=(true_length - 1)[:, None])
+    logits = out.logits[:, 0]  # [B, N] at each row's last real token
     logp = sampling_logprobs(logits, temperature, top_k, max_top_k)
     token = sample(key, logp)
     return Prefilled(out, out.cache._replace(lengths=start + true_length), token,

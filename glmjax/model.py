@@ -29,7 +29,7 @@ from glmjax.sharding import Rules, constrain, param_shardings
 
 
 class ModelOutput(NamedTuple):
-    logits: jax.Array  # [B, T, N] fp32
+    logits: jax.Array  # [B, T, N] fp32 ([B, K, N] with logits_at)
     hidden: jax.Array  # [B, T, D] last hidden state before the final norm (MTP, value heads)
     cache: KVCache | None
     indexer_loss: jax.Array | None  # mean KL over the full-indexer layers, when asked for
@@ -82,9 +82,12 @@ class GlmForCausalLM(nnx.Module):
         positions: jax.Array | None = None,
         cache: KVCache | None = None,
         indexer_loss: str | None = None,
+        logits_at: jax.Array | None = None,
     ) -> ModelOutput:
         """input_ids [B, T] int. positions [B, T] (no-cache calls only; default arange).
-        indexer_loss: None | "dense" | "sparse" (see MLA.__call__)."""
+        indexer_loss: None | "dense" | "sparse" (see MLA.__call__). logits_at [B, K] int:
+        the indices into T whose logits are computed, so that logits is [B, K, N] (a
+        prefill needs one per row: the LM head is then K / T of its cost); default all T."""
         c = self.config
         q_pos = self.positions(input_ids, cache, positions)
         cos, sin = rope_tables(c, q_pos)
@@ -102,8 +105,11 @@ class GlmForCausalLM(nnx.Module):
         new_cache = None
         if cache is not None:
             new_cache = cache._replace(layers=tuple(new_layers), lengths=cache.lengths + input_ids.shape[1])
+        h = self.norm(x)
+        if logits_at is not None:
+            h = jnp.take_along_axis(h, logits_at[..., None].astype(jnp.int32), axis=1)  # [B, K, D]
         return ModelOutput(
-            logits=constrain(self.head(self.norm(x)), ("batch", "length", "act_vocab")),
+            logits=constrain(self.head(h), ("batch", "length", "act_vocab")),
             hidden=x,
             cache=new_cache,
             indexer_loss=jnp.mean(jnp.stack(losses)) if losses else None,

@@ -39,6 +39,8 @@ def test_weight_sizes_and_forward_flops_match_a_hand_count():
     per_key = 2 * c.num_attention_heads * (2 * c.kv_lora_rank + c.qk_rope_head_dim)
     assert f["attention"] == rows * c.num_hidden_layers * per_key * t * (t + 1) // 2
     assert f["matmul"] == pytest.approx(2 * rows * t * (dense + experts * c.num_experts_per_tok / c.n_routed_experts))
+    head = c.hidden_size * c.vocab_size  # a prefill's LM head runs at one position per row
+    assert floor.forward_flops(c, rows, t, logits=1)["matmul"] == pytest.approx(f["matmul"] - 2 * rows * (t - 1) * head)
 
 
 def test_decode_bytes_count_touched_experts_and_the_cache():

@@ -44,6 +44,18 @@ def test_prefill_then_decode_equals_full_forward(model, step):
     assert np.abs(np.concatenate(pieces, axis=1) - full).max() <= 1e-5
 
 
+def test_logits_at_gives_those_positions_logits_and_the_same_cache(model):
+    ids = _ids(4)
+    at = jnp.asarray([[20, 3], [7, 7]])  # per row, any positions, repeats allowed
+    full = model(ids, cache=glmjax.KVCache.init(TINY, 2, 24))
+    some = model(ids, cache=glmjax.KVCache.init(TINY, 2, 24), logits_at=at)
+    assert some.logits.shape == (2, 2, TINY.vocab_size)
+    np.testing.assert_allclose(np.asarray(some.logits), np.asarray(full.logits)[np.arange(2)[:, None], np.asarray(at)],
+                               rtol=1e-6, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(some.cache), jax.tree.leaves(full.cache)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_ragged_lengths_in_one_decode_batch(model):
     """Sequences at different lengths decode together: each attends to its own prefix."""
     a, b = _ids(2, batch=1, length=11), _ids(3, batch=1, length=7)
