@@ -120,7 +120,7 @@ def dsa_bench(r) -> list[str]:
              f"{r['indexshare_vs_dsa_prefill_32k']:.2f}x", flops("indexshare_vs_dsa_prefill_32k"),
              goal("indexshare_vs_dsa_prefill_32k")],
             ["DSA cost per token, 32k over 4k", f"{r['dsa_per_token_32k_over_4k']:.2f}x",
-             f"dense {pre('dense') / pre('dense', '4096'):.2f}x", flops("dsa_per_token_32k_over_4k"),
+             f"dense {pre('dense') / pre('dense', '4096'):.2f}x", DASH, flops("dsa_per_token_32k_over_4k"),
              goal("dsa_per_token_32k_over_4k")]]
     return [_source("dsa_bench", "Sparse attention"),
             "A 4-layer model with GLM-5's attention at a quarter of its widths, XLA path, wall time; the plot is "
