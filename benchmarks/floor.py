@@ -12,8 +12,9 @@ over measured time (1.0 = at the floor).
 
 FLOPs are counted from the config (`forward_flops`): 2 per multiply-add of every matmul
 weight a token passes through (the routed experts at X/E of their size, embeddings not: a
-lookup; the LM head only where logits are wanted, one position per row in a prefill), plus attention over the keys each query sees (absorbed MLA: its scores over the
-C + R wide key and its values over the C wide latent; top-k keys on DSA layers) and the
+lookup; the LM head only where logits are wanted, one position per row in a prefill),
+plus attention over the keys each query sees (absorbed MLA: its scores over the C + R
+wide key and its values over the C wide latent; top-k keys on DSA layers) and the
 indexer's scoring on layers that own one. Bytes are the weights a step reads (dense ones,
 and the routed experts a batch touches under uniform routing) plus the cache rows it reads.
 

@@ -25,8 +25,8 @@ from glmjax.sampling import sample, sampling_logprobs, token_logprobs
 
 
 class Prefilled(NamedTuple):
-    out: ModelOutput  # the forward of ids (logits [B, 1, N]: the last real token's); out.cache is `cache`
-    # below before its lengths were set
+    out: ModelOutput  # the forward of ids, logits [B, 1, N] at the last real token; out.cache is
+    # `cache` below before its lengths were set
     cache: KVCache  # lengths = the old lengths + true_length
     token: jax.Array  # [B] the sampled next token
     log_prob: jax.Array  # [B] its behaviour log-prob (glmjax/sampling.token_logprobs)

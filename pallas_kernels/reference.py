@@ -214,8 +214,8 @@ def indexer_topk(q, w, k, q_pos, *, topk: int, block: int = QUERY_BLOCK):
     """`select_topk(indexer_scores(...))` fused per query block: O(block * S) memory.
 
     A block scores and ranks only the keys up to its last visible one, rounded up to a
-    band of `key_bands` (a `lax.switch` over the bands): `top_k` costs in proportion to the
-    keys it scans, and causally the first half of the blocks sees under half of them. The
+    band of `key_bands` (a `lax.switch` over the bands): `top_k`'s cost grows with the keys
+    it scans, and causally the first half of the blocks sees under half of them. The
     keys left out are invisible to the whole block, so the selection is the same.
     """
 
