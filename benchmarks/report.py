@@ -129,6 +129,31 @@ def dsa_bench(r) -> list[str]:
         ["", "DSA", "dense (peer)", "DSA speedup", "in FLOPs", "goal"], rows)
 
 
+def cpu_primitives(r) -> list[str]:
+    c, k, fresh = r["ceiling"], r["top_k"], r["fresh_output"]
+
+    def expert(rows: int, how: str, field: str, unit: str, ceiling: str) -> list[str]:
+        e = r["experts"][f"{rows}_rows_{how}"]
+        return [f"{rows} row{'s' if rows > 1 else ''} per expert, weights {how.replace('_', ' ')}",
+                _num(e[field], unit), _num(c[ceiling], unit), _num(e["fraction"])]
+
+    reads, flops = ("gb_per_s", "GB/s", "read_gb_per_s"), ("gflops", "GFLOP/s", "matmul_gflops")
+    rows = [expert(1, "in_place", *reads), expert(1, "sliced", *reads), expert(8, "in_place", *reads),
+            expert(8, "sliced", *reads), expert(128, "sliced", *flops),
+            [f"top-{k['k']} of a row, one core", f"{k['ns_per_key']:.1f} ns per key + {_num(k['us_per_row'])} us "
+             "per row", DASH, DASH],
+            ["two top-ks in one loop step", f"{r['loop_body']['two_over_one']:.2f}x one", "1.00x on two cores", DASH],
+            ["writing a fresh 256 MB output", f"{_num(fresh['write_ms_per_gb'])} ms/GB",
+             f"reading it {_num(fresh['read_ms_per_gb'])} ms/GB", DASH]]
+    shape = r["expert_shape"]
+    return [_source("cpu_primitives", "What XLA:CPU reaches"),
+            f"The pieces the figures above are made of: products of configs/small.py's [{shape['in']}, "
+            f"{shape['out']}] expert matrices (weights cold; \"sliced\" is the tile loop's `w[e]`, which "
+            "XLA:CPU copies before the dot), the indexer's top-k, and a loop body's independent ops (run one after "
+            "the other). The fraction bounds a weight-bound step's `glmjax / floor`.", ""] + _table(
+        ["", "measured", "ceiling", "fraction"], rows)
+
+
 def rl_bench(r) -> list[str]:
     h = r["throughput"][f"batch{r['headline_batch']}"]
     return [_source("rl_bench", "Asynchronous RL"), f"The sorting job's loop at batch {r['headline_batch']}.", ""] + _table(
@@ -270,7 +295,8 @@ def gpu_model(r) -> list[str]:
 
 
 SECTIONS = (("model_bench", model_bench), ("engine_bench", engine_bench), ("dsa_bench", dsa_bench),
-            ("rl_bench", rl_bench), ("agent_bench", agent_bench), ("opd_bench", opd_bench),
+            ("cpu_primitives", cpu_primitives), ("rl_bench", rl_bench), ("agent_bench", agent_bench),
+            ("opd_bench", opd_bench),
             ("sharding_bench", sharding_bench), ("gpu_kernels", gpu_kernels), ("gpu_model", gpu_model))
 
 

@@ -75,3 +75,23 @@ def test_help_names_the_profile_option(monkeypatch, capsys):
         floor.main_with_profile(main, "bench")
     out = capsys.readouterr().out
     assert done.value.code == 0 and "--out" in out and "--profile DIR" in out and "DIR/bench" in out
+
+
+def test_cpu_primitives_fit_top_k_cost_and_read_experts_both_ways_alike():
+    """cpu_primitives.py: the top-k cost line through two row lengths (hand-computed), and its
+    two expert arms computing the same products as numpy."""
+    import jax
+    import numpy as np
+
+    import cpu_primitives
+
+    rows, per_key, per_row = 4, 2e-9, 50e-6
+    times = {s: rows * (per_row + per_key * s) for s in (4096, 32768)}
+    fit = cpu_primitives.topk_cost(times, rows)
+    assert fit["ns_per_key"] == pytest.approx(2.0) and fit["us_per_row"] == pytest.approx(50.0)
+
+    w, x = (jax.random.normal(jax.random.key(i), shape) for i, shape in enumerate(((8, 16, 4), (8, 2, 16))))
+    arms = cpu_primitives.expert_arms([w], x)
+    expected = np.einsum("etd,edf->etf", np.asarray(x), np.asarray(w))
+    for how in ("in_place", "sliced"):
+        np.testing.assert_allclose(np.asarray(arms[how]()[0]), expected, rtol=1e-4, atol=1e-4)
