@@ -47,12 +47,16 @@ TOPK, TOPK_ROWS, TOPK_KEYS = 256, 256, (4096, 32768)
 FRESH_BYTES = 256 << 20
 
 
+def _sliced(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [E, t, D] -> [E, t, F], a loop taking each expert's matrix as w[e] (layers/gmm.py's form)."""
+    return jax.lax.map(lambda a: a[0] @ w[a[1]], (x, jnp.arange(x.shape[0])))
+
+
 def expert_arms(weights: list[jax.Array], x: jax.Array) -> dict:
     """{"in_place": fn, "sliced": fn}: x [E, t, D] through every expert's [D, F] matrix of
     every weight set [E, D, F], the two ways of reading the matrices (module docstring)."""
     in_place = jax.jit(lambda x, ws: [jnp.einsum("etD,eDF->etF", x, w) for w in ws])
-    sliced = jax.jit(lambda x, ws: [jax.lax.map(lambda a, w=w: a[0] @ w[a[1]], (x, jnp.arange(x.shape[0])))
-                                    for w in ws])
+    sliced = jax.jit(lambda x, ws: [_sliced(x, w) for w in ws])
     return {"in_place": lambda: in_place(x, weights), "sliced": lambda: sliced(x, weights)}
 
 
@@ -94,7 +98,7 @@ def minor_faults(fn) -> int:
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="where to write the JSON results")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved runs of each arm")
     args = parser.parse_args(argv)
 
     ceiling = floor.measure_ceiling()
