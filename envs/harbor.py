@@ -204,13 +204,14 @@ def run_script(sandbox: Sandbox, task: HarborTask, script: str) -> RunResult:
 def run_tests(sandbox: Sandbox, task: HarborTask) -> Verdict:
     """A fresh ``/tmp`` and ``/logs/verifier``, the tests copied in, the test command run
     with the verifier's environment, the reward read from the verifier's own directory."""
-    for virtual in ("/tmp", "/tests", "/logs/verifier"):
+    for virtual in ("/tests", "/logs/verifier"):
         sandbox.reset_dir(virtual)
+    sandbox.reset_verifier_tmp()
     for rel, data in task.tests.items():
         sandbox.write_file(f"/tests/{rel}", _map(data, task, sandbox, rel if rel.endswith(".sh") else None))
     limits = sandbox.limits.replace(wall_seconds=task.verifier_timeout)
     result = sandbox.run(_map(task.test_command, task, sandbox), limits=limits,
-                         env=task_env(sandbox, task, verifier=True))
+                         env=task_env(sandbox, task, verifier=True), verifier=True)
     if result.killed:
         return Verdict(0.0, "killed", result)
     try:

@@ -1,73 +1,104 @@
-"""Isolated command execution: a private directory, resource limits, no network.
+"""Isolated command execution for a hostile agent: a private tree, resource quotas, no network.
 
-What is enforced, and how (``probe()`` says which of these this machine allows):
+What is enforced, and how (``probe()`` says which of these this machine allows;
+``Isolation.describe()`` names each; ``glmjax-envs info`` prints it):
 
-- **Own user.** As root, each ``Sandbox`` claims a dedicated numeric uid (from
-  ``UID_BASE``, claimed with an ``flock`` so concurrent processes never share one) and
-  every command drops to it (``setgroups([])``, ``setgid``, ``setuid``) after
+- **Own users.** As root, each ``Sandbox`` claims a dedicated numeric uid (from
+  ``UID_BASE``) with an ``flock`` in a fixed directory (``isolation.LOCK_DIR``), so no two
+  sandboxes on the machine share one, whichever process or ``TMPDIR`` made them. Every
+  agent command drops to it (``setgroups([])``, ``setgid``, ``setuid``) after
   ``PR_SET_NO_NEW_PRIVS``. Because the uid is private to the sandbox, ``RLIMIT_NPROC``
   (ignored for root, counted per uid) caps this sandbox's processes only: a fork bomb
-  stops at ``Limits.processes`` and cannot touch other tasks.
+  stops at ``Limits.processes``. The verifier has a uid of its own (below).
 - **Resource limits** (``setrlimit`` in the child): CPU seconds, address space
   (``RLIMIT_AS``: a 10 GB allocation fails with ENOMEM), processes, file size (SIGXFSZ),
   open files; no core files.
+- **Memory and CPU of all processes together** (``Isolation.memory``, ``Isolation.cpu``):
+  each sandbox has its own cgroup (``envs/cgroup.py``, v2 or v1) capped at
+  ``Limits.memory_bytes`` and at ``Limits.cpus`` cores of CPU time; every command joins
+  it before it drops root. A command whose processes pass the memory cap between them is
+  killed by the kernel (``killed="memory_limit"``); eight spinning processes share one
+  core. Without a cgroup (not root, or no controller) only the rlimits hold:
+  ``processes`` x ``memory_bytes`` is the memory bound, and ``describe()`` says
+  ``memory=per-process cpu=per-process``.
+- **Disk** (``Isolation.disk="tmpfs"``): the sandbox's files live on size-capped tmpfs
+  mounts of ``Limits.disk_bytes`` (read when the sandbox is made): one for the agent's
+  ``/app /tmp /solution /logs``, one for the verifier's ``/tests``, ``/logs/verifier``
+  and ``/tmp``, so an agent that fills its disk ("No space left on device") leaves the
+  verifier room to write its reward. Their pages count against the memory cap as well:
+  files and processes together stay under ``memory_bytes``. ``RLIMIT_FSIZE`` still caps
+  each file at ``Limits.file_bytes``.
 - **Processes and wall clock.** Every command runs in its own session and, where the
   kernel allows (``processes="pidns"``), as PID 1 of its own PID namespace: when it exits
   the kernel kills and reaps everything it left behind, so no orphan or zombie outlives
   it or counts against the next command's process limit, and ``/proc`` shows only the
-  sandbox's processes. At the deadline every process of the sandbox uid gets SIGKILL
+  sandbox's processes. At the deadline every process of the sandbox's uids gets SIGKILL
   (``kill -9 -1`` run as that uid: it also reaches processes that left the group with
   ``setsid``); without a PID namespace (``"kill-sweep"``) the process group is killed
-  too and the same sweep runs after every command. Files persist between commands,
-  processes do not.
+  too and the same sweep runs after every command. Files persist between commands;
+  processes, System V IPC objects, POSIX message queues and ``/dev/shm`` do not.
+- **IPC and host name** (``ipc="ipcns"``): each command has its own IPC and UTS
+  namespaces, so a shared-memory segment or semaphore it makes (any mode) is seen by no
+  other command, episode or host process and is freed by the kernel when the command
+  ends; the host name is ``sandbox``.
 - **Output cap.** stdout and stderr are read together; past ``Limits.output_bytes`` the
   command is killed and the output kept so far is returned (``killed="output_limit"``).
 - **No network.** A new network namespace (``unshare(CLONE_NEWNET)``) whose only
-  interface is its own loopback: the host's listeners, even on 127.0.0.1, are
-  unreachable. Where the kernel refuses the namespace, ``Sandbox`` refuses to run unless
-  the caller passes ``network="host"`` explicitly.
+  interface is its own loopback: the host's listeners, even on 127.0.0.1, and its
+  abstract unix sockets are unreachable. Where the kernel refuses the namespace,
+  ``Sandbox`` refuses to run unless the caller passes ``network="host"`` explicitly.
 - **Filesystem** (``filesystem="chroot"``, the default where a mount namespace is
-  allowed): each command gets a new mount namespace and a chroot whose root is a
-  read-only tmpfs holding read-only, nosuid bind mounts of ``/usr /etc /opt /var`` (and
-  ``/bin /lib ...`` where they are directories), a minimal ``/dev`` (null, zero, full,
-  random, urandom, a private ``/dev/shm``), ``/proc`` with ``hidepid`` (a sandbox sees
-  only its own processes), and the sandbox's own directories at the paths tasks expect:
-  ``/app`` (the working directory), ``/logs`` (``/logs/verifier`` for the verifier),
-  ``/tmp``, ``/tests`` and ``/solution`` (filled when the tests or the oracle run).
-  Nothing outside the sandbox
-  directory is writable or even visible besides the system directories.
+  allowed): each command gets a new mount namespace and ``pivot_root``s into a root of
+  its own (the host's root is then detached: no ``..``, second ``chroot`` or open
+  directory leads back). That root is a read-only tmpfs holding read-only, nosuid binds of
+  what programs need to run (``/usr /etc /bin /sbin /lib*``, the host interpreter's
+  prefix, the tools at ``/glmjax``, and of ``/var`` only ``/var/lib/dpkg``), a minimal
+  ``/dev`` (null, zero, full, random, urandom, a private ``/dev/shm``), ``/proc`` with
+  ``hidepid``, and the sandbox's own directories at the paths tasks expect: ``/app``
+  (the working directory), ``/logs`` (``/logs/agent``; ``/logs/verifier`` for the
+  verifier), ``/tmp`` (``/var/tmp`` leads there), ``/tests`` and ``/solution``. No host
+  directory where task directories, work directories, logs or sockets live (``/var``,
+  ``/opt``, ``/srv``, ``/home``, ``/root``, ``/run``, ``/tmp``, ``/mnt``) is there, and
+  ``hide`` paths (a task's own directory: ``ShellEnv`` passes ``HarborTask.source``) are
+  masked where a bind would show them. Task files reach the sandbox only as copies:
+  ``/tests`` is filled when the verifier runs and ``/solution`` for oracle runs.
   ``filesystem="plain"`` (the fallback without mount namespaces): the same uid and
   limits, ``cwd`` is the host directory, and writes are confined by permissions only:
   the sandbox uid owns nothing outside its directory, but world-writable directories
   (``/tmp``, ``/var/tmp``, ``/dev/shm``) stay writable and world-readable files
   readable. Virtual paths (``/app`` ...) are then the host paths that ``path()``
   returns, and scripts are rewritten with ``rewrite()``.
-- **Memory of all processes together** (``Isolation.memory``): each sandbox has its own
-  memory cgroup (``envs/cgroup.py``, v2 or v1) capped at ``Limits.memory_bytes``; every
-  command joins it before it drops root, and a command whose processes pass the cap
-  between them is killed by the kernel (``killed="memory_limit"``). Without a cgroup
-  (not root, or no memory controller) only ``RLIMIT_AS`` holds: ``processes`` x
-  ``memory_bytes`` is the bound, and ``describe()`` says ``memory=per-process``.
+- **The verifier** (``run(..., verifier=True)``; ``verifier="userns-root"``) runs as root
+  of a user namespace of its own whose only ids are its own uid (``verifier_uid``, 0
+  inside) and the agent's: it reads and writes ``/app`` whatever modes the agent left
+  (``chmod 000 /app`` does not lock it out), as Docker's root verifier does, while
+  root-owned host files stay closed to it. ``/tests`` and ``/logs/verifier`` are its own
+  (mode 0700): the agent's uid cannot read, write or replace them; files it leaves in
+  ``/app`` are handed back to the agent's uid. Without user namespaces
+  (``verifier="agent-uid"``) it runs as the agent's uid.
 - **Tools.** ``/glmjax`` holds what a task image would have installed
   (``envs/host_tools.py``): ``python3``/``python`` (the host interpreter, with pytest),
   ``pytest``, and stand-ins for ``apt-get``, ``pip``, ``uv`` and ``uvx`` that resolve
-  installs against the host; its ``bin/`` is first on PATH. The host interpreter's
-  prefix is mounted read-only at its own path so that it runs inside the chroot.
+  installs against the host; its ``bin/`` is first on PATH.
 - **Environment.** Commands see only ``PATH``, ``HOME=/tmp``, ``TMPDIR=/tmp``, a UTF-8
   locale, ``PYTHONDONTWRITEBYTECODE=1``, ``PYTHONHASHSEED=0``, ``APP_DIR``, ``LOGS_DIR``,
   ``TEST_DIR`` and what the caller passes.
 - **Any tree.** ``snapshot``, ``reset_dir`` and ``close`` walk and remove directories
   through directory descriptors (``envs/tree.py``): a tree thousands of levels deep, or
   with paths past ``PATH_MAX``, is hashed and removed like any other, and ``close``
-  releases the sandbox's uid even when a step before it fails.
+  releases the sandbox's uid even when a step before it fails. A sandbox left behind by a
+  killed process (its mounts, processes, directory) is cleared by the next one that
+  claims its uid.
 
 Commands are forked by small helper processes (``envs/launcher.py``), never by the caller:
 a fork's cost grows with the forking process's memory, and a multithreaded process (a
 trainer running JAX) must not run a ``preexec_fn`` in a forked child.
 
-Not enforced: total disk use inside the sandbox directory (``RLIMIT_FSIZE`` caps each
-file), and total memory where no cgroup can be made (above). Without root there is no
-dedicated uid, so the process limit counts all of the user's processes.
+Not enforced: what the system directories hold is readable where its modes allow (the
+host's ``/usr`` and ``/etc`` are the image); the kernel is the host's (a kernel exploit
+is out of scope: that needs a VM); time on the CPU quota's clock is shared fairly, not
+reserved. Without root there is no dedicated uid, no namespace, no quota on disk, memory
+or CPU beyond the per-process rlimits.
 """
 
 from __future__ import annotations
@@ -85,12 +116,18 @@ import tempfile
 import threading
 from typing import Mapping
 
-from envs import cgroup, host_tools, launcher, tree
+from envs import cgroup, host_tools, isolation, launcher, tree
 from envs.isolation import VIRTUAL_DIRS, Isolation, Plan, claim_uid
 
 __all__ = ["Isolation", "Limits", "RunResult", "Sandbox", "SandboxError", "VIRTUAL_DIRS", "probe"]
 TOOLS = "/glmjax"  # where the tool directory (envs/host_tools.py) is mounted under chroot
-_SYSTEM_TOPS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/opt", "/var")
+_SYSTEM_TOPS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
+# Where each virtual directory lives under the sandbox's root: (disk, directory on it). The
+# agent's disk holds what it writes; the verifier's what only the verifier may write.
+_LAYOUT = {"/app": ("agent", "app"), "/tmp": ("agent", "tmp"), "/solution": ("agent", "solution"),
+           "/logs": ("agent", "logs"), "/logs/verifier": ("verifier", "logs"), "/tests": ("verifier", "tests")}
+_VERIFIER_TMP = ("verifier", "tmp")  # the verifier's own /tmp (and HOME) under chroot
+_VERIFIER_DIRS = ("/tests", "/logs/verifier")
 _PROBED: Isolation | None = None
 _TOOL_DIR: str | None = None
 _LOCK = threading.Lock()
@@ -98,14 +135,15 @@ _LOCK = threading.Lock()
 
 def probe() -> Isolation:
     """The strongest isolation this machine allows, as the helpers that fork the commands
-    find it (``envs/launcher.py``), with the memory cgroup this process can make (tried
-    once per process, cached)."""
+    find it (``envs/launcher.py``), with the cgroups this process can make (tried once per
+    process, cached)."""
     global _PROBED
     with _LOCK:
         if _PROBED is None:
             found = launcher.call("probe")
-            memory = cgroup.available() if found.user == "dedicated-uid" else None
-            _PROBED = dataclasses.replace(found, memory=f"cgroup-{memory[0]}" if memory else "per-process")
+            groups = cgroup.available() if found.user == "dedicated-uid" else {}
+            name = lambda where: f"cgroup-{where[0]}" if where else "per-process"  # noqa: E731
+            _PROBED = dataclasses.replace(found, memory=name(groups.get("memory")), cpu=name(groups.get("cpu")))
         return _PROBED
 
 
@@ -130,17 +168,39 @@ def tool_dir() -> str:
         return _TOOL_DIR
 
 
-def _interpreter_binds() -> tuple[tuple[str, str], ...]:
-    """The host interpreter's prefixes, mounted at their own paths so that the tools'
-    ``python3`` runs inside the chroot (those under a system directory are there already)."""
+def _interpreter_binds() -> tuple[tuple[str, str, bool], ...]:
+    """The host interpreter's prefixes, mounted read-only at their own paths so that the
+    tools' ``python3`` runs inside the new root (those under a system directory are there
+    already)."""
     dirs = dict.fromkeys(os.path.realpath(p) for p in (sys.base_prefix, sys.prefix))
-    return tuple((d, d) for d in dirs
+    return tuple((d, d, False) for d in dirs
                  if not d.startswith(_SYSTEM_TOPS) and not d.startswith(tuple(v + "/" for v in VIRTUAL_DIRS)))
 
 
 def kill_uid(uid: int) -> None:
     """SIGKILL every process of ``uid`` (from a helper process)."""
     launcher.call("kill_uid", uid=uid)
+
+
+def _mount_points() -> list[str]:
+    """Every mount point of this mount namespace, decoded from ``/proc/self/mountinfo``."""
+    with open("/proc/self/mountinfo") as f:
+        return [re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4]) for line in f]
+
+
+def _clear_leftovers(uid: int) -> None:
+    """What a killed process's sandbox of ``uid`` left: its processes, its disks' mounts,
+    its directory (called with the uid's lock held, so no live sandbox owns them)."""
+    kill_uid(uid)
+    kill_uid(isolation.verifier_uid(uid))
+    roots = set()
+    for point in sorted(_mount_points(), key=len, reverse=True):
+        found = re.search(rf"^(.*/glmjax-sbx-{uid}-[^/]+)/(agent|verifier)$", point)
+        if found:
+            isolation.unmount(point)
+            roots.add(found.group(1))
+    for root in roots:
+        tree.rmtree(root)
 
 
 class SandboxError(RuntimeError):
@@ -150,8 +210,12 @@ class SandboxError(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class Limits:
     """Per-command limits. ``memory_bytes`` caps the memory of all the sandbox's processes
-    together where a cgroup is available (``Isolation.memory``) and each process's address
-    space everywhere; without a cgroup, ``processes`` x ``memory_bytes`` is the bound."""
+    (and, with ``disk="tmpfs"``, its files) together where a cgroup is available
+    (``Isolation.memory``) and each process's address space everywhere; without a cgroup,
+    ``processes`` x ``memory_bytes`` is the bound. ``cpus``: cores of CPU time for all its
+    processes together (``Isolation.cpu``); ``cpu_seconds`` caps each process.
+    ``disk_bytes``: the size of each of the sandbox's disks (``Isolation.disk``), read when
+    the sandbox is made; ``file_bytes`` caps one file."""
 
     wall_seconds: float = 30.0
     cpu_seconds: int = 30
@@ -160,6 +224,8 @@ class Limits:
     file_bytes: int = 64 << 20
     open_files: int = 256
     output_bytes: int = 256 << 10
+    disk_bytes: int = 1 << 30
+    cpus: float = 1.0
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -202,12 +268,13 @@ class Sandbox:
     namespace (``SandboxError`` where there is none), "host" allows the host network;
     filesystem "auto" picks "chroot" where allowed, else "plain". The directory is made
     under ``base_dir`` (default ``$GLMJAX_SANDBOX_DIR``, else the system temp dir) and
-    removed by ``close()`` (or leaving the ``with`` block) unless ``keep=True``.
-    ``isolation`` says what this sandbox actually has.
+    removed by ``close()`` (or leaving the ``with`` block). ``hide``: host directories
+    (a task's source) that must not show through the system binds. ``isolation`` says
+    what this sandbox actually has.
     """
 
     def __init__(self, *, limits: Limits = Limits(), network: str = "none", filesystem: str = "auto",
-                 base_dir: str | None = None, keep: bool = False):
+                 base_dir: str | None = None, hide: tuple[str, ...] = ()):
         if network not in ("none", "host"):
             raise ValueError(f"network must be 'none' or 'host', got {network!r}")
         if filesystem not in ("auto", "chroot", "plain"):
@@ -219,37 +286,54 @@ class Sandbox:
         if filesystem == "chroot" and avail.filesystem != "chroot":
             raise SandboxError("mount namespaces are refused here; use filesystem='plain' or 'auto'")
         self.filesystem = avail.filesystem if filesystem == "auto" else filesystem
-        self.limits, self.keep = limits, keep
-        self.isolation = Isolation("netns" if network == "none" else "host", self.filesystem, avail.user,
-                                   avail.processes, memory=avail.memory)
-        self._closed, self.memory, self.root = True, None, None
+        chroot = self.filesystem == "chroot"
+        self.limits = limits
+        self.isolation = dataclasses.replace(
+            avail, network="netns" if network == "none" else "host", filesystem=self.filesystem,
+            verifier=avail.verifier if chroot else "agent-uid", notes=())
+        self._closed, self.group, self.root, self._disks = True, None, None, []
         self.uid, self._lock_fd = claim_uid() if avail.user == "dedicated-uid" else (None, None)
+        self.verifier_uid = (isolation.verifier_uid(self.uid) if self.isolation.verifier == "userns-root"
+                             else self.uid)
         try:
             if self.uid is not None:
-                kill_uid(self.uid)  # leftovers of a crashed earlier holder
-            if avail.memory != "per-process":
-                self.memory = cgroup.MemoryGroup(*cgroup.available(), limits.memory_bytes)
-            self.root = tempfile.mkdtemp(prefix="glmjax-sbx-", dir=base_dir or os.environ.get("GLMJAX_SANDBOX_DIR"))
+                _clear_leftovers(self.uid)
+            groups = cgroup.available() if self.uid is not None else {}
+            if any(groups.values()):
+                self.group = cgroup.Group(**groups, memory_bytes=limits.memory_bytes, cpus=limits.cpus)
+            self.root = tempfile.mkdtemp(prefix=f"glmjax-sbx-{self.uid if self.uid is not None else 'u'}-",
+                                         dir=base_dir or os.environ.get("GLMJAX_SANDBOX_DIR"))
             os.chmod(self.root, 0o711)
             os.mkdir(os.path.join(self.root, ".root"))
-            for virtual in VIRTUAL_DIRS:
+            for disk in ("agent", "verifier"):
+                path = os.path.join(self.root, disk)
+                os.mkdir(path, 0o755)
+                if avail.disk == "tmpfs":
+                    inodes = max(limits.disk_bytes // 4096, 8192)
+                    isolation.mount("tmpfs", path, "tmpfs", 2 | 4,  # nosuid, nodev
+                                    f"size={limits.disk_bytes},nr_inodes={inodes},mode=755")
+                    self._disks.append(path)
+            for virtual in VIRTUAL_DIRS + ("/logs/verifier", "/logs/agent"):
                 self.reset_dir(virtual)
-            self.reset_dir("/logs/verifier")
-            self.reset_dir("/logs/agent")
+            self.reset_verifier_tmp()
+            if not chroot:  # $LOGS_DIR/verifier: the verifier's directory, as the mount shows it under chroot
+                os.symlink(self.host_path("/logs/verifier"), os.path.join(self.host_path("/logs"), "verifier"))
         except BaseException:
             self._closed = False
             self.close()
             raise
-        self.tools = TOOLS if self.filesystem == "chroot" else tool_dir()
-        self._binds = ((tool_dir(), TOOLS),) + _interpreter_binds() if self.filesystem == "chroot" else ()
+        self.tools = TOOLS if chroot else tool_dir()
+        self._binds = ((tool_dir(), TOOLS, False),) + _interpreter_binds() if chroot else ()
+        sandbox_dirs = (self.root, base_dir or os.environ.get("GLMJAX_SANDBOX_DIR") or tempfile.gettempdir())
+        self._hidden = tuple(p for p in (*hide, *sandbox_dirs) if p)
         self._closed = False
 
     # ----- paths -----------------------------------------------------------------------
     def host_path(self, virtual: str) -> str:
         """Where a virtual path (``/app/x``, ``/logs/verifier``) lives on the host."""
-        for top in VIRTUAL_DIRS:
+        for top in sorted(_LAYOUT, key=len, reverse=True):
             if virtual == top or virtual.startswith(top + "/"):
-                return os.path.join(self.root, virtual[1:])
+                return os.path.join(self.root, *_LAYOUT[top], virtual[len(top) + 1:])
         raise ValueError(f"{virtual!r} is not under one of the sandbox directories {VIRTUAL_DIRS}")
 
     def path(self, virtual: str) -> str:
@@ -260,11 +344,14 @@ class Sandbox:
         """``script`` with the virtual directories replaced by ``path()`` (identity under chroot)."""
         if self.filesystem == "chroot":
             return script
-        pattern = r"(?<![\w./-])(" + "|".join(map(re.escape, VIRTUAL_DIRS)) + r")(?=[/\s\"'`;:)|&<>]|$)"
+        tops = sorted(_LAYOUT, key=len, reverse=True)
+        pattern = r"(?<![\w./-])(" + "|".join(map(re.escape, tops)) + r")(?=[/\s\"'`;:)|&<>]|$)"
         return re.sub(pattern, lambda m: self.host_path(m.group(1)), script)
 
     def _owner(self, virtual: str) -> int | None:
-        return None if virtual == "/logs" else self.uid
+        if virtual == "/logs" or self.uid is None:
+            return None
+        return self.verifier_uid if virtual in _VERIFIER_DIRS or virtual.startswith(_VERIFIER_DIRS) else self.uid
 
     def _safe(self, virtual: str) -> str:
         """The host path of ``virtual``, refusing one that a symlink leads out of the sandbox."""
@@ -275,14 +362,25 @@ class Sandbox:
 
     # ----- files (host side, as the caller) ----------------------------------------------
     def reset_dir(self, virtual: str) -> None:
-        """Make ``virtual`` an empty directory (symlinks are removed, never followed),
-        the sandbox uid's with mode 0700 (``/logs`` itself stays root's, so that
-        ``/logs/verifier`` cannot be replaced): other sandboxes cannot look in."""
-        host = self.host_path(virtual)
+        """Make ``virtual`` an empty directory (symlinks are removed, never followed) with
+        mode 0700, the agent's uid's, or the verifier's for ``/tests`` and
+        ``/logs/verifier`` (``/logs`` itself stays root's, so that neither can be
+        replaced): other sandboxes cannot look in."""
+        self._fresh(self.host_path(virtual), self._owner(virtual))
+
+    def reset_verifier_tmp(self) -> None:
+        """A fresh ``/tmp`` (and ``HOME``) for the verifier: its own under chroot, where the
+        agent's ``/tmp`` is left as it was; the agent's, emptied, in the plain fallback."""
+        if self.filesystem == "chroot":
+            self._fresh(os.path.join(self.root, *_VERIFIER_TMP), self.verifier_uid)
+        else:
+            self.reset_dir("/tmp")
+
+    def _fresh(self, host: str, owner: int | None) -> None:
         tree.rmtree(host)
         os.makedirs(host, mode=0o755)
-        if self.uid is not None and self._owner(virtual) is not None:
-            os.chown(host, self.uid, self.uid)
+        if owner is not None:
+            os.chown(host, owner, owner)
             os.chmod(host, 0o700)
 
     def write_file(self, virtual: str, data: str | bytes, mode: int | None = None) -> None:
@@ -297,8 +395,9 @@ class Sandbox:
         os.chmod(host, mode if mode is not None else (0o755 if data.startswith(b"#!") else 0o644))
         owner = self._owner(virtual)
         if owner is not None:
-            top = self.host_path("/" + virtual.strip("/").split("/")[0])
-            for path in [host] + [d for d in _parents(parent, top)]:
+            top = next(t for t in sorted(_LAYOUT, key=len, reverse=True)
+                       if virtual == t or virtual.startswith(t + "/"))
+            for path in [host] + [d for d in _parents(parent, self.host_path(top))]:
                 os.lchown(path, owner, owner)
 
     def read_bytes(self, virtual: str, limit: int = 1 << 20) -> bytes | None:
@@ -332,9 +431,16 @@ class Sandbox:
         env.update(extra or {})
         return env
 
+    def _mounts(self, verifier: bool) -> tuple[tuple[str, str, bool], ...]:
+        """The sandbox's directories as a command's new root holds them, then the read-only binds."""
+        own = tuple((self.host_path(v), v, True) for v in ("/app", "/solution", "/logs", "/logs/verifier", "/tests"))
+        tmp = os.path.join(self.root, *_VERIFIER_TMP) if verifier else self.host_path("/tmp")
+        return own + ((tmp, "/tmp", True),) + self._binds
+
     def run(self, command: str, *, limits: Limits | None = None, cwd: str = "/app",
-            env: Mapping[str, str] | None = None, stdin: str | None = None) -> RunResult:
-        """Run ``command`` with ``bash -c`` in the sandbox; never raises for what the command does."""
+            env: Mapping[str, str] | None = None, stdin: str | None = None, verifier: bool = False) -> RunResult:
+        """Run ``command`` with ``bash -c`` in the sandbox; never raises for what the command
+        does. ``verifier``: as the verifier (its uid, its ``/tmp``; see the module docstring)."""
         if self._closed:
             raise SandboxError("this sandbox is closed")
         limits = limits or self.limits
@@ -344,13 +450,18 @@ class Sandbox:
                    (resource.RLIMIT_CORE, 0)]
         if self.uid is not None:  # root ignores RLIMIT_NPROC; the sandbox uid does not
             rlimits.append((resource.RLIMIT_NPROC, limits.processes))
-        plan = Plan(root=self.root, uid=self.uid, network_ns=self.isolation.network == "netns", chroot=chroot,
-                    pid_ns=self.isolation.processes == "pidns", rlimits=rlimits,
-                    cwd=cwd if chroot else self.host_path(cwd), binds=self._binds, cgroup_procs=self.memory.procs if self.memory else None)
+        as_verifier = verifier and self.verifier_uid != self.uid
+        plan = Plan(root=os.path.join(self.root, ".root"), uid=self.verifier_uid if as_verifier else self.uid,
+                    network_ns=self.isolation.network == "netns", chroot=chroot,
+                    pid_ns=self.isolation.processes == "pidns", ipc_ns=self.isolation.ipc == "ipcns",
+                    rlimits=rlimits, cwd=cwd if chroot else self.host_path(cwd),
+                    mounts=self._mounts(verifier) if chroot else (), hidden=self._hidden,
+                    cgroup_procs=self.group.procs if self.group else (),
+                    verifier_of=self.uid if as_verifier else None)
         oom_kills = 0
-        if self.memory is not None:
-            self.memory.set_limit(limits.memory_bytes)
-            oom_kills = self.memory.oom_kills()
+        if self.group is not None:
+            self.group.set_limits(limits.memory_bytes, limits.cpus)
+            oom_kills = self.group.oom_kills()
         try:
             returncode, output, killed, truncated, seconds = launcher.call(
                 "run", argv=["/bin/bash", "-c", command], env=self.env(env), plan=plan,
@@ -358,23 +469,37 @@ class Sandbox:
                 output_bytes=limits.output_bytes)
         except (subprocess.SubprocessError, launcher.HelperDied) as err:
             raise SandboxError(f"could not start a sandboxed command ({self.isolation.describe()}): {err}") from err
-        if killed is None and self.memory is not None and self.memory.oom_kills() > oom_kills:
+        finally:
+            if as_verifier:
+                self._hand_back("/app")
+        if killed is None and self.group is not None and self.group.oom_kills() > oom_kills:
             killed = "memory_limit"
         return RunResult(returncode, output.decode("utf-8", errors="replace"), seconds, killed, truncated)
 
+    def _hand_back(self, virtual: str) -> None:
+        """Give what the verifier made under ``virtual`` to the agent's uid (as files a root
+        verifier made stay usable by a root agent), so that a next step can change them."""
+        for entry in tree.walk(self.host_path(virtual)):
+            if entry.stat.st_uid == self.verifier_uid or entry.stat.st_gid == self.verifier_uid:
+                os.chown(entry.name, self.uid, self.uid, dir_fd=entry.dir_fd, follow_symlinks=False)
+
     # ----- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:
-        """Kill what is left, remove the memory group and the directory (any depth), and
-        release the uid, which happens even when a step before it fails."""
+        """Kill what is left, remove the cgroup, the disks and the directory (any depth),
+        and release the uid, which happens even when a step before it fails."""
         if self._closed:
             return
         self._closed = True
         try:
             if self.uid is not None:
                 kill_uid(self.uid)
-            if self.memory is not None:
-                self.memory.close()
-            if not self.keep and self.root is not None:
+                if self.verifier_uid != self.uid:
+                    kill_uid(self.verifier_uid)
+            if self.group is not None:
+                self.group.close()
+            while self._disks:
+                isolation.unmount(self._disks.pop())
+            if self.root is not None:
                 tree.rmtree(self.root)
         finally:
             if self._lock_fd is not None:

@@ -188,6 +188,8 @@ _LIMITS = (  # what a failed oracle's output says when the sandbox, not the task
                 r"Read-only file system: '(/(?!(?:app|tmp|logs|tests|solution)/)[\w./-]+)'"),
      "it changes {0}, which the sandbox keeps read-only (only what is inside /app, /tmp, /logs, /tests and "
      "/solution is writable)"),
+    (re.compile(r"'?(/tests|/logs/verifier)(?:/[\w./-]*)?'?: Permission denied"),
+     "it touches {0}, which only the verifier may use (its files are copied in when the tests run)"),
     (re.compile(r"File too large|File size limit exceeded"),
      "it writes a file larger than the sandbox allows (the task's [environment] storage_mb raises the cap)"),
     (re.compile(r"Operation not permitted|must be (?:run as )?root|are you root"),

@@ -147,7 +147,7 @@ def test_cli_validate_folder_of_harbor_tasks(tmp_path, capsys):
 SANDBOX_LIMITS = {  # an oracle that fails for a reason of the sandbox's, not the task's -> the reason
     "missing_tool": ("glmjax-no-such-tool --version > /app/result.txt\n", "it needs glmjax-no-such-tool"),
     "read_only_system_dir": ("echo x > /var/log/app.log\n", "it changes /var/log/app.log"),
-    "moves_a_mount_point": ("mv /tests /tmp/tests-moved\n", "it changes /tests"),
+    "moves_the_verifiers_dir": ("mv /tests /tmp/tests-moved\n", "it touches /tests, which only the verifier"),
     "needs_root": ("python3 -c \"import os; os.setuid(0)\"\n", "it needs root"),
     "background_service": ("(python3 -m http.server 8765 >/dev/null 2>&1 &)\nsleep 0.5\n",
                            "processes the solution starts do not outlive its command"),

@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from envs import isolation
 from envs import sandbox as sandbox_module
 from envs.cli import main
 from envs.harbor import HarborTask
@@ -256,9 +257,8 @@ def test_commands_are_forked_by_helpers_never_by_the_caller(monkeypatch):
 
 def _lock_is_free(uid: int) -> bool:
     import fcntl
-    import tempfile
 
-    fd = os.open(os.path.join(tempfile.gettempdir(), "glmjax-sandbox-uids", str(uid)), os.O_RDWR)
+    fd = os.open(os.path.join(isolation.LOCK_DIR, str(uid)), os.O_RDWR)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return True
@@ -322,18 +322,18 @@ def test_memory_is_capped_as_the_report_says():
             # one killed when the next allocates, so two "held" lines are possible. What the cap
             # guarantees is that no two 300 MB processes live through the sleep together.
             assert four.killed == "memory_limit" and four.output.splitlines().count("done") <= 1, four
-            assert box.memory.peak_bytes() <= 512 << 20
+            assert box.group.peak_bytes() <= 512 << 20
 
 
 def test_without_a_cgroup_each_process_is_capped_and_the_report_says_so(monkeypatch):
     from envs import cgroup
 
     monkeypatch.setattr(sandbox_module, "_PROBED", None)
-    monkeypatch.setattr(cgroup, "available", lambda: None)
+    monkeypatch.setattr(cgroup, "available", lambda: {"memory": None, "cpu": None})
     found = sandbox_module.probe()
     assert found.memory == "per-process" and "memory=per-process" in found.describe()
     with Sandbox(limits=Limits(memory_bytes=512 << 20, wall_seconds=30.0)) as box:
-        assert box.memory is None
+        assert box.group is None
         four = box.run(f"for i in 1 2 3 4; do {HOLD} & done; wait")
         assert four.ok and four.output.splitlines().count("held") == 4, four  # 1.2 GB between them
         big = box.run("python3 -c 'bytearray(600 << 20)'")
