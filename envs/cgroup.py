@@ -165,6 +165,12 @@ class Group:
         found = re.search(r"^oom_kill (\d+)$", text, re.M)
         return int(found.group(1)) if found else 0
 
+    def usage_bytes(self) -> int | None:
+        """The memory the group holds now: its processes' and the pages charged to it
+        (tmpfs files, shared memory) that outlive them."""
+        text = _read(self._file("memory", "memory.current") or "") or _read(self._file("memory", "memory.usage_in_bytes") or "")
+        return int(text.split()[0]) if text else None
+
     def peak_bytes(self) -> int | None:
         for name in ("memory.peak", "memory.max_usage_in_bytes"):
             text = _read(self._file("memory", name) or "")

@@ -14,8 +14,11 @@ the install steps that cannot run offline replaced (``envs/installs.py``). A tas
 cannot be set up so is *unsupported* (``UnsupportedTask``, with the reason). A
 multi-step task (``HarborTask.steps``) runs its steps in turn in one environment.
 
-The verifier cannot be touched by the agent: before the tests run, ``/tmp`` (also
-``HOME``) and ``/logs/verifier`` are made afresh and the tests are copied in; the tests'
+The verifier cannot be touched or locked out by the agent: it runs as its own user (root
+of a user namespace of its own where the kernel allows, ``Sandbox.run(verifier=True)``:
+it reads and writes ``/app`` whatever modes the agent left there), ``/tests`` and
+``/logs/verifier`` are its own and are made afresh with the tests copied in, it gets a
+fresh ``/tmp`` (also ``HOME``) of its own, on a disk the agent cannot fill; the tests'
 PATH holds no directory the agent could write; pytest loads only the plugins of the
 packages the task installs (as in its image); every ``python`` they start through the
 sandbox's tools skips user site-packages and finds an empty ``sitecustomize`` /
@@ -59,7 +62,8 @@ class HarborTask(Task):
     it; ``tests``: the tests/ directory; ``setup``: commands run before the agent (the
     Dockerfile's RUN lines); ``partials``: half-done solutions (each must score 0);
     ``installs``: how each install step was resolved; ``notes``: what the emulation left out;
-    ``storage_bytes``: the task's ``[environment] storage_mb``, the largest file it may write.
+    ``storage_bytes``: the task's ``[environment] storage_mb``: the largest file it may write and the
+    least disk it gets.
 
     A multi-step task (Harbor's ``[[steps]]``) has ``steps``: one task each (its own
     instruction, tests layered over the task's, solution, timeouts and ``min_reward``: a
@@ -144,9 +148,11 @@ def _map(text: str | bytes, task: HarborTask, sandbox: Sandbox, script: str | No
 
 
 def task_limits(task: HarborTask, limits):
-    """``limits`` with the task's own storage as the file-size cap, where it declares more."""
-    if task.storage_bytes and task.storage_bytes > limits.file_bytes:
-        return limits.replace(file_bytes=task.storage_bytes)
+    """``limits`` with the task's own storage as the file-size cap and the disk's size,
+    where it declares more."""
+    if task.storage_bytes:
+        return limits.replace(file_bytes=max(limits.file_bytes, task.storage_bytes),
+                              disk_bytes=max(limits.disk_bytes, task.storage_bytes))
     return limits
 
 

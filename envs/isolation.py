@@ -176,7 +176,17 @@ class Plan:
             self.drop_caps = [cap for cap in range(last + 1) if cap not in _VERIFIER_CAPS]
             self.user_map = f"0 {uid} 1\n{verifier_of} {verifier_of} 1\n".encode()
 
+    error_fd: int | None = None  # where the child writes why it failed (``subprocess`` reports only that it did)
+
     def __call__(self) -> None:
+        try:
+            self._prepare()
+        except BaseException as err:
+            if self.error_fd is not None:
+                os.write(self.error_fd, f"{type(err).__name__}: {err}".encode()[:4096])
+            raise
+
+    def _prepare(self) -> None:
         for procs in self.cgroup_procs:  # first, so that everything the command starts is in the groups
             fd = os.open(procs, os.O_WRONLY)
             os.write(fd, str(os.getpid()).encode())
@@ -204,7 +214,10 @@ class Plan:
             os.setgroups([])
             os.setgid(self.uid)
             os.setuid(self.uid)
-        os.chdir(self.cwd)
+        try:
+            os.chdir(self.cwd)
+        except PermissionError:  # the agent took its working directory's permissions away: it starts at /
+            os.chdir("/")
 
     def _build_root(self) -> None:
         new = self.root

@@ -39,9 +39,20 @@ def _run(*, argv, env, plan: isolation.Plan, stdin, wall_seconds, output_bytes):
     Returns (returncode, output bytes, killed, truncated, seconds); raises OSError or
     subprocess.SubprocessError when the command cannot be started."""
     start = time.monotonic()
-    proc = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env=env, preexec_fn=plan, start_new_session=True,
-                            close_fds=True)
+    errors, plan.error_fd = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)  # the child's word on why it failed
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, env=env, preexec_fn=plan, start_new_session=True,
+                                close_fds=True)
+    except subprocess.SubprocessError as err:
+        try:
+            why = os.read(errors, 4096).decode(errors="replace")
+        except BlockingIOError:
+            why = ""
+        raise subprocess.SubprocessError(f"{err} {why}".strip()) from None
+    finally:
+        os.close(plan.error_fd)
+        os.close(errors)
     if stdin:
         try:
             proc.stdin.write(stdin)

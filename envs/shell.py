@@ -64,7 +64,8 @@ class ShellEnv:
         self.close()
         if not isinstance(task, HarborTask):
             raise TypeError(f"ShellEnv runs HarborTask, got {type(task).__name__} ({getattr(task, 'id', '?')})")
-        self.sandbox = Sandbox(limits=task_limits(task, self.limits), **self.sandbox_args)
+        self.sandbox = Sandbox(limits=task_limits(task, self.limits), hide=(task.source,) if task.source else (),
+                               **self.sandbox_args)
         try:
             prepare(self.sandbox, task)
         except BaseException:

@@ -144,7 +144,7 @@ def _episode(task: HarborTask, script: str | None, limits: Limits, sandbox_args:
     steps, apply ``ops``, run ``script``, run the tests of ``step`` (default: ``task``).
     ``capture``: also record what the script changed in /app."""
     target = step or task
-    with Sandbox(limits=limits, **sandbox_args) as sandbox:
+    with Sandbox(limits=limits, hide=(task.source,) if task.source else (), **sandbox_args) as sandbox:
         prepare(sandbox, task)
         for done in prior:
             run_script(sandbox, done, done.solution)

@@ -338,3 +338,276 @@ def test_without_a_cgroup_each_process_is_capped_and_the_report_says_so(monkeypa
         assert four.ok and four.output.splitlines().count("held") == 4, four  # 1.2 GB between them
         big = box.run("python3 -c 'bytearray(600 << 20)'")
         assert not big.ok and "MemoryError" in big.output, big
+
+
+# ----- a hostile agent: each way out that was found open, tried again --------------------------
+SHM = ("python3 -c \"import ctypes, sys\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.shmat.restype = ctypes.c_void_p\n"
+       "key, size = 0x676c6d6a, int(sys.argv[1])\n"
+       "shmid = libc.shmget(key, size, 0o1666 if size else 0)\n"  # IPC_CREAT | 0666, or look it up
+       "if shmid < 0: print('no segment', ctypes.get_errno()); sys.exit(0)\n"
+       "addr = libc.shmat(shmid, None, 0)\n"
+       "ctypes.memset(addr, ord('x'), size) if size else None\n"
+       "ctypes.memmove(addr, b'SHM-SECRET', 10) if size else print('read', ctypes.string_at(addr, 10))\" ")
+
+
+def _host_shm_keys() -> set[int]:
+    with open("/proc/sysvipc/shm") as f:
+        return {int(line.split()[0]) for line in f.readlines()[1:]}
+
+
+@pytest.mark.skipif(ISO.ipc != "ipcns", reason="no IPC namespaces here: " + ISO.describe())
+def test_shared_memory_is_seen_by_no_other_episode_and_freed_with_its_command():
+    """A 256 MB segment of mode 0666 with a secret: the next command, the next episode and
+    the host find none, and the memory it pinned is back once the command ends."""
+    first, second = Sandbox(), Sandbox()
+    made = first.run(SHM + str(256 << 20) + "; ipcs -m | grep -c 0x676c6d6a; hostname")
+    assert made.ok and made.output.split() == ["1", "sandbox"], made.output
+    assert 0x676C6D6A not in _host_shm_keys()
+    assert "no segment" in first.run(SHM + "0").output  # gone with the command that made it
+    assert "no segment" in second.run(SHM + "0").output and "SHM-SECRET" not in second.run("ipcs -m").output
+    if first.group is not None and first.isolation.memory.startswith("cgroup"):
+        deadline = time.monotonic() + 5.0  # the kernel frees a namespace's objects from a work queue
+        while first.group.usage_bytes() > 64 << 20 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert first.group.usage_bytes() <= 64 << 20
+    first.close()
+    second.close()
+    assert 0x676C6D6A not in _host_shm_keys()
+
+
+@pytest.fixture
+def host_secrets():
+    """A world-readable file and a listening unix socket under /var/tmp and /opt, where
+    other runs' task directories, work directories and services live; an abstract socket."""
+    made, servers, accepted = [], [], []
+    for top in ("/var/tmp", "/opt"):
+        folder = f"{top}/glmjax-attack-{os.getpid()}"
+        os.makedirs(folder, mode=0o755)
+        made.append(folder)
+        with open(f"{folder}/secret.txt", "w") as f:
+            f.write("HOST-SECRET-5501\n")
+        os.chmod(f"{folder}/secret.txt", 0o644)
+        servers.append(socket.socket(socket.AF_UNIX))
+        servers[-1].bind(f"{folder}/service.sock")
+        os.chmod(f"{folder}/service.sock", 0o777)
+    servers.append(socket.socket(socket.AF_UNIX))
+    servers[-1].bind(f"\0glmjax-attack-{os.getpid()}")
+    for server in servers:
+        server.listen(4)
+        server.settimeout(0.05)
+    yield made, servers, accepted
+    for server in servers:
+        try:
+            accepted.append(server.accept())
+        except OSError:
+            pass
+        server.close()
+    for folder in made:
+        for name in os.listdir(folder):
+            os.unlink(f"{folder}/{name}")
+        os.rmdir(folder)
+
+
+CONNECT = ("python3 -c \"import socket, sys\ns = socket.socket(socket.AF_UNIX)\ns.settimeout(2)\n"
+           "address = sys.argv[1].replace('@', chr(0), 1)\n"  # @name: an abstract socket
+           "try: s.connect(address); print('CONNECTED')\nexcept OSError as e: print('refused', e)\" ")
+
+
+@needs_chroot
+def test_no_host_file_or_socket_under_var_or_opt_is_reachable(host_secrets):
+    made, servers, accepted = host_secrets
+    script = "; ".join([f"cat {d}/secret.txt; ls {d}; {CONNECT}{d}/service.sock" for d in made]
+                       + [f"{CONNECT}@glmjax-attack-{os.getpid()}", "ls -A /var /var/tmp /var/lib /opt /srv /home /run"])
+    with Sandbox() as box:
+        outputs = [box.run(script).output, box.run(script, verifier=True).output]
+    for output in outputs:
+        assert "HOST-SECRET" not in output and "CONNECTED" not in output, output
+        assert sum(line.startswith("refused") for line in output.splitlines()) == 3, output
+        listing = output[output.index("/var:"):]
+        assert "glmjax-attack" not in listing and set(listing.split()) <= {
+            "/var:", "/var/tmp:", "/var/lib:", "/opt:", "/srv:", "/home:", "/run:", "backups", "cache", "lib", "local",
+            "log", "mail", "opt", "spool", "tmp", "dpkg"}, listing
+    for server in servers:
+        with pytest.raises(OSError):
+            server.accept()
+
+
+@needs_chroot
+@pytest.mark.parametrize("top", ["/var/tmp", "/opt", "prefix"])
+def test_a_task_directorys_tests_are_not_there_for_the_agent(top):
+    """A Harbor task directory wherever a team keeps one (under /var, /opt, or installed
+    with a Python package under the interpreter's prefix, which the sandbox binds): the
+    agent finds neither the task's tests nor its solution, and cannot score by them."""
+    import secrets
+    import sys
+
+    from envs import harbor_dirs
+    from tests.harbor_util import write_task
+
+    token = f"ANSWER-{secrets.token_hex(6)}"
+    base = (os.path.join(sys.prefix, "share") if top == "prefix" else top) + f"/glmjax-tasks-{os.getpid()}"
+    test = f"#!/bin/bash\n[ \"$(cat /app/answer.txt)\" = {token} ] && echo 1 > /logs/verifier/reward.txt\n"
+    import pathlib
+
+    path = write_task(pathlib.Path(base), "leak", solve=f"#!/bin/bash\necho {token} > /app/answer.txt\n", test=test,
+                      instruction="Write the answer to /app/answer.txt.\n")
+    try:
+        task = harbor_dirs.load_task(str(path))
+        env = ShellEnv()
+        env.reset(task)
+        obs, *_ = env.step(f"<bash>ls {base} {path}; cat {path}/tests/test.sh {path}/solution/solve.sh; "
+                           f"grep -rhos 'ANSWER-[0-9a-f]*' /var /opt /srv /home /run /root /tmp {sys.prefix}/share "
+                           "| head -1 > /app/answer.txt; cat /app/answer.txt</bash>")
+        _, reward, done, info = env.step("<submit/>")
+        env.close()
+        assert token not in obs, obs
+        assert done and reward == 0.0, info
+        env.reset(task)  # the honest episode on the same task scores 1
+        _, reward, done, _ = env.step(f"<bash>echo {token} > /app/answer.txt</bash><submit/>")
+        env.close()
+        assert done and reward == 1.0
+    finally:
+        from envs import tree
+
+        tree.rmtree(base)
+
+
+def test_filling_the_disk_stops_at_the_quota_and_the_verifier_still_scores():
+    """1.5 GB written in 64 MB files (each under the file-size cap) after the right answer:
+    the writes stop at the 1 GiB quota with a clear error, the host's disk is untouched,
+    and the verifier, on a disk of its own, scores the answer 1."""
+    env = ShellEnv(limits=Limits(wall_seconds=30.0))
+    env.reset(_answer_task())
+    box = env.sandbox
+    if box.isolation.disk != "tmpfs":
+        pytest.skip("no disk quota here: " + box.isolation.describe())
+    obs, *_ = env.step("<bash>echo 42 > /app/answer.txt; for i in $(seq 24); do head -c 64M /dev/zero > "
+                       "/app/fill$i || break; done; du -sm /app /tmp | cut -f1</bash>")
+    assert "No space left on device" in obs, obs
+    used = sum(os.path.getsize(os.path.join(box.host_path("/app"), n)) for n in os.listdir(box.host_path("/app")))
+    assert (1 << 30) - (64 << 20) < used <= 1 << 30, used
+    assert box.run("echo more > /tmp/x").returncode != 0  # /tmp is on the same full disk ...
+    _, reward, done, info = env.step("<submit/>")  # ... the verifier's is not
+    env.close()
+    assert done and reward == 1.0, info
+
+
+SPIN = ("pids=; for i in 1 2 3 4 5 6 7 8; do (while :; do :; done) & pids=\"$pids $!\"; done; sleep 3; t=0; "
+        "for p in $pids; do set -- $(cut -d' ' -f14,15 /proc/$p/stat); t=$((t + $1 + $2)); done; "
+        "echo $t $(getconf CLK_TCK); kill $pids")
+
+
+def test_eight_spinners_share_one_core():
+    """Eight busy loops for 3 s of wall time: the kernel's own count of their CPU time
+    (utime + stime of each) is at most about one core's worth."""
+    with Sandbox() as box:
+        if box.isolation.cpu == "per-process":
+            pytest.skip("no CPU cgroup here: " + box.isolation.describe())
+        result = box.run(SPIN)
+        ticks, hz = map(int, result.output.split()[-2:])
+        assert 0.5 * 3.0 <= ticks / hz <= 1.2 * 3.0, result.output  # they ran, on one core between them
+        assert box.group.throttled() > 0
+
+
+@needs_uid
+@pytest.mark.parametrize("lockout", ["chmod 000 /app", "chmod 000 /app/answer.txt", "chmod -R 000 /app", None])
+def test_the_agent_cannot_lock_the_verifier_out(lockout):
+    """A right answer, then the agent takes every permission away: the verifier still reads
+    it (as Docker's root verifier would) and scores 1; so does the honest episode."""
+    env = ShellEnv()
+    env.reset(_answer_task())
+    obs, *_ = env.step(f"<bash>echo 42 > /app/answer.txt; {lockout or 'true'}; ls /app; "
+                       "touch /logs/verifier/reward.txt; ls /logs/verifier /tests</bash>")
+    if lockout and env.sandbox.isolation.verifier == "userns-root":
+        assert obs.count("Permission denied") >= 3, obs
+    obs, _, done, info = env.step("<bash>echo still here</bash>")  # its own next command starts, at / if need be
+    assert not done and "still here" in obs and "error" not in info, (obs, info)
+    _, reward, done, info = env.step("<submit/>")
+    env.close()
+    assert done and reward == 1.0, info
+
+
+@needs_uid
+def test_the_verifiers_root_reaches_the_sandboxs_files_only():
+    with Sandbox() as box:
+        if box.isolation.verifier != "userns-root":
+            pytest.skip("no user namespaces here: " + box.isolation.describe())
+        box.run("echo secret > /app/mine; chmod 000 /app/mine /app")
+        lines = box.run("id -u; cat /app/mine; echo made > /app/by-verifier; cat /etc/shadow; touch /usr/x; "
+                        "echo 3 > /proc/sys/vm/drop_caches", verifier=True, cwd="/").output.splitlines()
+        assert lines[:2] == ["0", "secret"], lines  # root over the agent's files ...
+        assert "/etc/shadow: Permission denied" in lines[2], lines  # ... and no more than any user over the host's
+        assert "Read-only file system" in lines[3] and "Permission denied" in lines[4], lines
+        box.run("chmod 700 /app")
+        assert box.run("cat by-verifier && rm by-verifier && echo gone").output == "made\ngone\n"  # handed back
+
+
+@needs_uid
+def test_two_runs_with_different_tmpdirs_never_share_a_uid(tmp_path, monkeypatch):
+    """Another process (with its own TMPDIR) holds a sandbox; this one, with another TMPDIR,
+    is steered at the same uid: it gets a different one, and the other's commands go on."""
+    import subprocess
+    import sys
+    import tempfile
+
+    code = ("import sys; from envs.sandbox import Sandbox\nbox = Sandbox()\nprint(box.uid, flush=True)\n"
+            "sys.stdin.readline()\nprint(box.run('echo alive').output.strip(), flush=True)\nbox.close()\n")
+    (tmp_path / "a").mkdir()
+    other = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             env=dict(os.environ, TMPDIR=str(tmp_path / "a")), cwd=os.path.dirname(os.path.dirname(__file__)))
+    held = int(other.stdout.readline())
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "b"))
+    (tmp_path / "b").mkdir()
+    monkeypatch.setattr(isolation, "_first_candidate", lambda: held - isolation.UID_BASE)
+    with Sandbox() as box:
+        assert box.uid != held
+        assert box.run("echo ok").output == "ok\n"
+        other.stdin.write("\n")
+        other.stdin.flush()
+        assert other.stdout.readline().strip() == "alive"
+    assert other.wait(30) == 0
+
+
+@needs_uid
+def test_a_killed_runs_sandbox_is_cleared_by_the_next_holder_of_its_uid(tmp_path, monkeypatch):
+    """A process killed with its sandbox open leaves its disks mounted and its directory;
+    the next sandbox to claim that uid unmounts and removes them."""
+    import signal
+    import subprocess
+    import sys
+
+    code = ("from envs.sandbox import Sandbox\nbox = Sandbox(base_dir=%r)\nbox.run('echo x > /app/x')\n"
+            "print(box.uid, box.root, flush=True)\nimport time; time.sleep(60)\n" % str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(__file__)))
+    uid, root = proc.stdout.readline().split()
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    mounted = lambda: [line for line in open("/proc/self/mountinfo") if root in line]  # noqa: E731
+    if ISO.disk == "tmpfs":
+        assert mounted(), "the killed process's disks should still be mounted"
+    monkeypatch.setattr(isolation, "_first_candidate", lambda: int(uid) - isolation.UID_BASE)
+    with Sandbox() as box:
+        assert box.uid == int(uid)
+    assert mounted() == [] and not os.path.exists(root)
+
+
+def test_cgroup_files_are_written_as_each_version_reads_them(tmp_path):
+    """The v2 and v1 file protocols on directories standing in for the hierarchies (this
+    machine has one of the two): limits in each version's files and units, one group to
+    join under v2, one per controller under v1."""
+    from envs import cgroup
+
+    v2 = cgroup.Group(memory=("v2", str(tmp_path)), cpu=("v2", str(tmp_path)), memory_bytes=1 << 30, cpus=1.5)
+    (path,) = {p for _, p in v2.paths.values()}
+    assert open(f"{path}/memory.max").read() == str(1 << 30) and open(f"{path}/cpu.max").read() == "150000 100000"
+    assert v2.procs == (f"{path}/cgroup.procs",)
+    (tmp_path / "memory").mkdir()
+    (tmp_path / "cpu").mkdir()
+    v1 = cgroup.Group(memory=("v1", str(tmp_path / "memory")), cpu=("v1", str(tmp_path / "cpu")),
+                      memory_bytes=512 << 20, cpus=0.5)
+    memory, cpu = v1.paths["memory"][1], v1.paths["cpu"][1]
+    assert open(f"{cpu}/cpu.cfs_quota_us").read() == "50000" and open(f"{cpu}/cpu.cfs_period_us").read() == "100000"
+    assert len(v1.procs) == 2 and memory.startswith(str(tmp_path / "memory"))
+    v1.set_limits(256 << 20, 2.0)
+    assert open(f"{cpu}/cpu.cfs_quota_us").read() == "200000"
