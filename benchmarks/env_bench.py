@@ -1,14 +1,25 @@
-"""Sandboxed steps per second (one at a time and concurrently) and validation seconds per task.
+"""Sandboxed steps per second (one at a time and concurrently), episodes per second, and
+validation seconds per task.
 
     python benchmarks/env_bench.py --out results/env_bench.json
+    python benchmarks/env_bench.py --out results/env_bench.json --baseline /path/to/other/checkout
 
 Steps: a ``ShellEnv`` step running ``echo`` (parse the action, run it in the sandbox with
 every isolation this machine allows, collect the output), ``--steps`` of them in one
 episode; then ``--workers`` episodes in threads at once (total steps / wall time).
-Validation: the three checks on ``--tasks`` tasks per family (oracle, no-op and every
-unfinished probe, each in a fresh sandbox), mean and max seconds per task. Figures are
-wall-clock on whatever else the machine is running; the JSON records the isolation,
-the CPU count and the load average next to them. Nothing here asserts on time.
+Episodes: whole episodes of the agentic main job's ``lookup`` tasks, one after another:
+a fresh sandbox, the task's files, the demonstrated command, ``<submit/>`` and the
+verifier, the sandbox closed; ``--workers`` threads at once, as the job's environment
+pool runs them. Validation: the three checks on ``--tasks`` tasks per family (oracle,
+no-op and every unfinished probe, each in a fresh sandbox), mean and max seconds per task.
+
+``--baseline DIR`` times the episodes of another checkout of glmjax (an earlier commit, in
+a ``git worktree``) beside this one's: each arm runs in a process of its own, the arms in
+turn, ``--rounds`` times; each run records its wall time and the machine's busy CPU time
+over it (from ``/proc/stat``: the sandboxes' work happens in helper processes and the
+kernel), and a run starved of the cores (``floor.starved``) is run again. Figures are
+wall-clock on whatever else the machine is running; the JSON records the isolation, the
+CPU count and the load average next to them. Nothing here asserts on time.
 """
 
 from __future__ import annotations
@@ -24,7 +35,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, os.environ.get("GLMJAX_BENCH_REPO", str(REPO)))  # whose envs/ to time (--baseline's arm sets it)
 
 from envs import families  # noqa: E402
 from envs.harbor import HarborTask  # noqa: E402
@@ -54,6 +65,73 @@ def concurrent_steps_per_second(steps: int, workers: int) -> float:
     return steps * workers / (time.perf_counter() - start)
 
 
+def episodes(n: int, workers: int = 1) -> float:
+    """Seconds for ``n`` lookup episodes (reset, the demonstrated command, submit, close)
+    over ``workers`` threads."""
+    tasks = families.make_tasks("lookup", n, seed=0)
+
+    def one(task) -> None:
+        env = ShellEnv(max_turns=4)
+        env.reset(task)
+        for action in task.metadata["demonstration"]:
+            if env.step(action).done:
+                break
+        else:
+            env.finish()
+        env.close()
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(one, tasks))
+    return time.perf_counter() - start
+
+
+def _busy_seconds() -> float:
+    """CPU seconds the whole machine has spent busy since boot (all but idle and iowait)."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+_ARM = """import json, sys
+sys.path.insert(0, {bench!r})
+import env_bench
+assert env_bench.families.__file__.startswith({repo!r}), env_bench.families.__file__
+env_bench.episodes(8, {workers})  # warm-up: the isolation probe, the tool directory, the page cache
+busy = env_bench._busy_seconds()
+wall = env_bench.episodes({n}, {workers})
+print(json.dumps([wall, env_bench._busy_seconds() - busy]))
+"""
+
+
+def compare_episodes(baseline: str, n: int, workers: int, rounds: int) -> dict:
+    """This checkout's episodes against ``baseline``'s, arms interleaved (module docstring)."""
+    import subprocess
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import floor
+
+    arms = {"this": str(REPO), "baseline": os.path.abspath(baseline)}
+
+    def run(repo: str) -> tuple[float, float]:
+        code = _ARM.format(repo=repo, bench=str(REPO / "benchmarks"), n=n, workers=workers)
+        out = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, check=True,
+                             env=dict(os.environ, GLMJAX_BENCH_REPO=repo))
+        return tuple(json.loads(out.stdout.splitlines()[-1]))
+
+    runs = {name: [] for name in arms}
+    for _ in range(rounds):
+        for name, repo in arms.items():
+            runs[name].append(run(repo))
+    result = {"episodes": n, "workers": workers, "baseline": arms["baseline"]}
+    for name, repo in arms.items():
+        kept, extra = floor.rerun_starved(runs[name], lambda repo=repo: run(repo))
+        result[name] = dict(floor.summary(kept, extra), episodes_per_second=n / statistics.median(w for w, _ in kept),
+                            all_runs=kept)
+    result["this_over_baseline_seconds"] = result["this"]["seconds"] / result["baseline"]["seconds"]
+    return result
+
+
 def validation_seconds(family: str, n: int) -> dict:
     times = []
     for task in families.make_tasks(family, n, seed=0):
@@ -71,16 +149,30 @@ def main(argv=None):
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--tasks", type=int, default=3, help="tasks per family for the validation timing")
     parser.add_argument("--families", default="arithmetic,terminal,code_repair,security,ml_infra")
+    parser.add_argument("--episodes", type=int, default=64, help="lookup episodes per timed run")
+    parser.add_argument("--baseline", default=None, help="another glmjax checkout whose episodes to time beside these")
+    parser.add_argument("--rounds", type=int, default=5, help="runs of each arm with --baseline")
     args = parser.parse_args(argv)
+    if args.baseline:
+        result = compare_episodes(args.baseline, args.episodes, args.workers, args.rounds)
+        _write(args.out, {"isolation": probe().describe(), "cpus": os.cpu_count(), "load_average": os.getloadavg(),
+                          "episodes_beside_baseline": result})
+        return
     steps_per_second(5)  # warm-up: the isolation probe, page cache
     results = {
         "isolation": probe().describe(), "cpus": os.cpu_count(), "load_average": os.getloadavg(),
         "python": platform.python_version(),
         "steps_per_second_sequential": steps_per_second(args.steps),
         f"steps_per_second_{args.workers}_concurrent": concurrent_steps_per_second(args.steps, args.workers),
+        "episodes_per_second_sequential": args.episodes / episodes(args.episodes),
+        f"episodes_per_second_{args.workers}_concurrent": args.episodes / episodes(args.episodes, args.workers),
         "validation_seconds_per_task": {f: validation_seconds(f, args.tasks) for f in args.families.split(",")},
     }
-    out = pathlib.Path(args.out)
+    _write(args.out, results)
+
+
+def _write(path: str, results: dict) -> None:
+    out = pathlib.Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(results, indent=1))
     print(json.dumps(results, indent=1))

@@ -26,7 +26,7 @@ should only make system calls.
 
 ``probe()`` tries each of these; ``claim_uid()`` hands out a uid no other live sandbox holds
 (an ``flock`` per uid in ``LOCK_DIR``, a fixed path: two runs with different ``TMPDIR``s
-see the same locks); ``kill_uid()`` kills every process of a uid. ``envs/sandbox.py``
+see the same locks); ``kill_uids()`` kills every process of some uids. ``envs/sandbox.py``
 documents the guarantees.
 """
 
@@ -408,22 +408,23 @@ def claim_uid() -> tuple[int, int]:
     raise RuntimeError(f"all {UID_SPAN} sandbox uids from {UID_BASE} are in use")
 
 
-def kill_uid(uid: int) -> None:
-    """SIGKILL every process of ``uid``: ``kill(-1)`` from a child that became ``uid``
-    reaches exactly those (all processes it may signal, itself excepted; a verifier's
+def kill_uids(uids: tuple[int, ...]) -> None:
+    """SIGKILL every process of each of ``uids``: ``kill(-1)`` from a child that became the
+    uid reaches exactly those (all processes it may signal, itself excepted; a verifier's
     processes too, whose user namespace maps its uid to 0). The child only makes system
     calls and ``_exit``s, so forking from a threaded process is safe."""
-    child = os.fork()
-    if child == 0:
-        code = 0
-        try:
-            os.setgroups([])
-            os.setgid(uid)
-            os.setuid(uid)
-            os.kill(-1, signal.SIGKILL)
-        except ProcessLookupError:
-            pass  # nothing of that uid is running
-        except BaseException:
-            code = 1
-        os._exit(code)
-    os.waitpid(child, 0)
+    for uid in uids:
+        child = os.fork()
+        if child == 0:
+            code = 0
+            try:
+                os.setgroups([])
+                os.setgid(uid)
+                os.setuid(uid)
+                os.kill(-1, signal.SIGKILL)
+            except ProcessLookupError:
+                pass  # nothing of that uid is running
+            except BaseException:
+                code = 1
+            os._exit(code)
+        os.waitpid(child, 0)

@@ -117,7 +117,7 @@ def _kill(proc: subprocess.Popen, uid: int | None, pid_ns: bool) -> None:
     processes ends the namespace and the waiting parent exits by itself; killing that
     parent first would orphan the namespace's init to the host's init as a zombie."""
     if uid is not None:
-        isolation.kill_uid(uid)
+        isolation.kill_uids((uid,))
     if uid is None or not pid_ns:
         _kill_group(proc)
 
@@ -129,7 +129,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-_HANDLERS = {"run": _run, "kill_uid": isolation.kill_uid, "probe": isolation.probe}
+_HANDLERS = {"run": _run, "kill_uids": isolation.kill_uids, "probe": isolation.probe}
 
 
 def _read_exactly(f, n: int) -> bytes | None:
@@ -232,7 +232,7 @@ _POOL = _Pool()
 
 
 def call(name: str, **kwargs):
-    """Run request ``name`` (``run``, ``kill_uid`` or ``probe``) in a helper."""
+    """Run request ``name`` (``run``, ``kill_uids`` or ``probe``) in a helper."""
     return _POOL.call(name, **kwargs)
 
 

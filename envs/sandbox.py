@@ -177,9 +177,9 @@ def _interpreter_binds() -> tuple[tuple[str, str, bool], ...]:
                  if not d.startswith(_SYSTEM_TOPS) and not d.startswith(tuple(v + "/" for v in VIRTUAL_DIRS)))
 
 
-def kill_uid(uid: int) -> None:
-    """SIGKILL every process of ``uid`` (from a helper process)."""
-    launcher.call("kill_uid", uid=uid)
+def kill_uids(*uids: int) -> None:
+    """SIGKILL every process of each of ``uids`` (from a helper process)."""
+    launcher.call("kill_uids", uids=uids)
 
 
 def _mount_points() -> list[str]:
@@ -188,19 +188,20 @@ def _mount_points() -> list[str]:
         return [re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), line.split()[4]) for line in f]
 
 
-def _clear_leftovers(uid: int) -> None:
+def _clear_leftovers(uid: int, lock_fd: int) -> None:
     """What a killed process's sandbox of ``uid`` left: its processes, its disks' mounts,
-    its directory (called with the uid's lock held, so no live sandbox owns them)."""
-    kill_uid(uid)
-    kill_uid(isolation.verifier_uid(uid))
-    roots = set()
+    its directory. A sandbox writes its root into its uid's lock file and empties the file
+    when it has closed cleanly, so only a sandbox that did not close leaves a path there;
+    the caller holds the lock, so no live sandbox owns what is cleared."""
+    root = os.pread(lock_fd, 4096, 0).decode(errors="replace")
+    if not root:
+        return
+    kill_uids(uid, isolation.verifier_uid(uid))
     for point in sorted(_mount_points(), key=len, reverse=True):
-        found = re.search(rf"^(.*/glmjax-sbx-{uid}-[^/]+)/(agent|verifier)$", point)
-        if found:
+        if point.startswith(root + "/"):
             isolation.unmount(point)
-            roots.add(found.group(1))
-    for root in roots:
-        tree.rmtree(root)
+    tree.rmtree(root)
+    os.ftruncate(lock_fd, 0)
 
 
 class SandboxError(RuntimeError):
@@ -297,13 +298,15 @@ class Sandbox:
                              else self.uid)
         try:
             if self.uid is not None:
-                _clear_leftovers(self.uid)
+                _clear_leftovers(self.uid, self._lock_fd)
             groups = cgroup.available() if self.uid is not None else {}
             if any(groups.values()):
                 self.group = cgroup.Group(**groups, memory_bytes=limits.memory_bytes, cpus=limits.cpus)
             self.root = tempfile.mkdtemp(prefix=f"glmjax-sbx-{self.uid if self.uid is not None else 'u'}-",
                                          dir=base_dir or os.environ.get("GLMJAX_SANDBOX_DIR"))
             os.chmod(self.root, 0o711)
+            if self._lock_fd is not None:
+                os.pwrite(self._lock_fd, self.root.encode(), 0)
             os.mkdir(os.path.join(self.root, ".root"))
             for disk in ("agent", "verifier"):
                 path = os.path.join(self.root, disk)
@@ -492,15 +495,15 @@ class Sandbox:
         self._closed = True
         try:
             if self.uid is not None:
-                kill_uid(self.uid)
-                if self.verifier_uid != self.uid:
-                    kill_uid(self.verifier_uid)
+                kill_uids(*dict.fromkeys((self.uid, self.verifier_uid)))
             if self.group is not None:
                 self.group.close()
             while self._disks:
                 isolation.unmount(self._disks.pop())
             if self.root is not None:
                 tree.rmtree(self.root)
+            if self._lock_fd is not None:
+                os.ftruncate(self._lock_fd, 0)  # closed cleanly: nothing for the uid's next holder to clear
         finally:
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
