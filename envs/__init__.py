@@ -1,10 +1,10 @@
 """Tasks, sandboxes and verifiers for RL; imports nothing from rl/ (and needs no jax).
 
     base.py       Task, TextTask (+ TextEnv), the action format, Step, Transcript
-    sandbox.py    Sandbox: isolated commands (own uid, rlimits, PID/network/mount namespaces)
+    sandbox.py    Sandbox: isolated commands (own uids, quotas, PID/network/IPC/mount namespaces)
     isolation.py  what the sandboxed child does before exec; probe() of what the kernel allows
     launcher.py   the helper processes that fork sandboxed commands (never the caller)
-    cgroup.py     one memory cgroup per sandbox: a cap on all its processes together
+    cgroup.py     one cgroup per sandbox: memory cap and CPU quota for all its processes together
     tree.py       walk, hash, read and remove directory trees of any depth
     host_tools.py what the host offers in place of an image's packages; apt/pip/uv/uvx stand-ins
     shell_syntax.py  the simple commands of a shell script, found without running it
