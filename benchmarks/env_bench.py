@@ -153,10 +153,12 @@ def main(argv=None):
     parser.add_argument("--baseline", default=None, help="another glmjax checkout whose episodes to time beside these")
     parser.add_argument("--rounds", type=int, default=5, help="runs of each arm with --baseline")
     args = parser.parse_args(argv)
-    if args.baseline:
-        result = compare_episodes(args.baseline, args.episodes, args.workers, args.rounds)
-        _write(args.out, {"isolation": probe().describe(), "cpus": os.cpu_count(), "load_average": os.getloadavg(),
-                          "episodes_beside_baseline": result})
+    if args.baseline:  # one episode at a time, then --workers at once
+        results = {"isolation": probe().describe(), "cpus": os.cpu_count(), "load_average": os.getloadavg()}
+        for workers in dict.fromkeys((1, args.workers)):
+            results[f"episodes_beside_baseline_{workers}_workers"] = compare_episodes(
+                args.baseline, args.episodes, workers, args.rounds)
+        _write(args.out, results)
         return
     steps_per_second(5)  # warm-up: the isolation probe, page cache
     results = {

@@ -42,6 +42,8 @@ def get_config(arg=None):
     config.env = ml_collections.ConfigDict(dict(
         workers=4, max_turns=4, turn_tokens=40, command_seconds=5.0, episode_seconds=60.0, observation_bytes=256,
         show_help=False, action_format="bash",
+        # each episode's sandbox: memory and files together, its disk, cores for all its processes
+        memory_mb=2048, disk_mb=1024, cpus=1.0,
         # no seconds in the status line: the same commands give the same observations, so the
         # supervised base is the same model in every run of one seed
         timing=False))

@@ -60,7 +60,7 @@ _CLONE_NEWNS, _CLONE_NEWUTS, _CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
 _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 16384, 1 << 18
-_MNT_DETACH = 2
+_MNT_DETACH, _IPC_RMID = 2, 0
 _PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS = 24, 38
 _SIOCSIFFLAGS, _IFF_UP_LOOPBACK_RUNNING = 0x8914, 0x1 | 0x8 | 0x40
 _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}
@@ -332,11 +332,17 @@ def _become_init(user_map: bytes | None) -> tuple[int, int] | None:
     os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 255)
 
 
+def mount_tmpfs(path: str, size: int) -> None:
+    """A disk of ``size`` bytes at ``path`` (nosuid, nodev): a tmpfs, its inodes capped at one
+    per 4 KiB (at least 8,192) so that empty files cannot take the kernel's memory either."""
+    mount("tmpfs", path, "tmpfs", _MS_NOSUID | _MS_NODEV, f"size={size},nr_inodes={max(size // 4096, 8192)},mode=755")
+
+
 def can_mount_tmpfs() -> bool:
     """Whether this process may mount a tmpfs (the sandbox's size-capped disk)."""
     with tempfile.TemporaryDirectory(prefix="glmjax-probe-") as tmp:
         try:
-            mount("tmpfs", tmp, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=64k")
+            mount_tmpfs(tmp, 64 << 10)
         except OSError:
             return False
         unmount(tmp)
@@ -406,6 +412,26 @@ def claim_uid() -> tuple[int, int]:
         except BlockingIOError:
             os.close(fd)
     raise RuntimeError(f"all {UID_SPAN} sandbox uids from {UID_BASE} are in use")
+
+
+def remove_ipc(uids: tuple[int, ...]) -> int:
+    """Remove every System V shared-memory segment, semaphore set and message queue of this
+    IPC namespace that one of ``uids`` owns or made; returns how many. (A sandbox whose
+    commands share the host's IPC namespace, ``ipc="host"``, leaves its objects there.)"""
+    removed = 0
+    for kind, column, rm in (("shm", "shmid", lambda i: _libc.shmctl(i, _IPC_RMID, None)),
+                             ("sem", "semid", lambda i: _libc.semctl(i, 0, _IPC_RMID)),
+                             ("msg", "msqid", lambda i: _libc.msgctl(i, _IPC_RMID, None))):
+        try:
+            with open(f"/proc/sysvipc/{kind}") as f:
+                header, *rows = [line.split() for line in f]
+        except OSError:
+            continue
+        ident, owners = header.index(column), (header.index("uid"), header.index("cuid"))
+        for row in rows:
+            if any(int(row[i]) in uids for i in owners) and rm(int(row[ident])) == 0:
+                removed += 1
+    return removed
 
 
 def kill_uids(uids: tuple[int, ...]) -> None:

@@ -204,6 +204,22 @@ def _clear_leftovers(uid: int, lock_fd: int) -> None:
     os.ftruncate(lock_fd, 0)
 
 
+def _remove_owned(dirs: tuple[str, ...], uids: tuple[int, ...]) -> None:
+    """Remove what ``uids`` own at the top of each of ``dirs`` (any depth below it)."""
+    for top in dirs:
+        try:
+            names = os.listdir(top)
+        except OSError:
+            continue
+        for name in names:
+            path = os.path.join(top, name)
+            try:
+                if os.lstat(path).st_uid in uids:
+                    tree.rmtree(path)
+            except OSError:
+                continue
+
+
 class SandboxError(RuntimeError):
     """The sandbox cannot run commands with the isolation that was asked for."""
 
@@ -241,13 +257,16 @@ class Limits:
 class RunResult:
     """One command. ``killed``: None | "timeout" | "output_limit" | "memory_limit" (the
     sandbox's cgroup passed its limit and the kernel killed a process); ``signal``: the signal
-    that ended the command (SIGXCPU/SIGKILL for CPU, SIGXFSZ for file size) or None."""
+    that ended the command (SIGXCPU/SIGKILL for CPU, SIGXFSZ for file size) or None;
+    ``disk_full``: the disk quota, when the command ended with the agent's disk full (the
+    status line then says so beside the command's own "No space left on device")."""
 
     returncode: int
     output: str
     seconds: float
     killed: str | None = None
     truncated: bool = False
+    disk_full: int | None = None  # the quota in bytes, when the command left the agent's disk full
 
     @property
     def ok(self) -> bool:
@@ -259,7 +278,8 @@ class RunResult:
 
     def summary(self, timing: bool = True) -> str:
         why = self.killed or self.signal or f"exit {self.returncode}"
-        return f"[{why}{f', {self.seconds:.2f}s' if timing else ''}{', output truncated' if self.truncated else ''}]"
+        full = f", disk full: {self.disk_full >> 20} MiB quota" if self.disk_full else ""
+        return f"[{why}{f', {self.seconds:.2f}s' if timing else ''}{', output truncated' if self.truncated else ''}{full}]"
 
 
 class Sandbox:
@@ -293,6 +313,8 @@ class Sandbox:
             avail, network="netns" if network == "none" else "host", filesystem=self.filesystem,
             verifier=avail.verifier if chroot else "agent-uid", notes=())
         self._closed, self.group, self.root, self._disks = True, None, None, []
+        self._lock, self._in_flight = threading.Lock(), 0
+        self._disk_bytes = limits.disk_bytes
         self.uid, self._lock_fd = claim_uid() if avail.user == "dedicated-uid" else (None, None)
         self.verifier_uid = (isolation.verifier_uid(self.uid) if self.isolation.verifier == "userns-root"
                              else self.uid)
@@ -312,9 +334,7 @@ class Sandbox:
                 path = os.path.join(self.root, disk)
                 os.mkdir(path, 0o755)
                 if avail.disk == "tmpfs":
-                    inodes = max(limits.disk_bytes // 4096, 8192)
-                    isolation.mount("tmpfs", path, "tmpfs", 2 | 4,  # nosuid, nodev
-                                    f"size={limits.disk_bytes},nr_inodes={inodes},mode=755")
+                    isolation.mount_tmpfs(path, limits.disk_bytes)
                     self._disks.append(path)
             for virtual in VIRTUAL_DIRS + ("/logs/verifier", "/logs/agent"):
                 self.reset_dir(virtual)
@@ -336,7 +356,8 @@ class Sandbox:
         """Where a virtual path (``/app/x``, ``/logs/verifier``) lives on the host."""
         for top in sorted(_LAYOUT, key=len, reverse=True):
             if virtual == top or virtual.startswith(top + "/"):
-                return os.path.join(self.root, *_LAYOUT[top], virtual[len(top) + 1:])
+                rest = virtual[len(top) + 1:]
+                return os.path.join(self.root, *_LAYOUT[top], *([rest] if rest else []))
         raise ValueError(f"{virtual!r} is not under one of the sandbox directories {VIRTUAL_DIRS}")
 
     def path(self, virtual: str) -> str:
@@ -465,19 +486,29 @@ class Sandbox:
         if self.group is not None:
             self.group.set_limits(limits.memory_bytes, limits.cpus)
             oom_kills = self.group.oom_kills()
+        with self._lock:
+            self._in_flight += 1
         try:
             returncode, output, killed, truncated, seconds = launcher.call(
                 "run", argv=["/bin/bash", "-c", command], env=self.env(env), plan=plan,
                 stdin=stdin.encode() if stdin else None, wall_seconds=limits.wall_seconds,
                 output_bytes=limits.output_bytes)
         except (subprocess.SubprocessError, launcher.HelperDied) as err:
+            if isinstance(err, launcher.HelperDied) and self.uid is not None:
+                kill_uids(*self._uids())  # no helper watches the command any more: end it now
             raise SandboxError(f"could not start a sandboxed command ({self.isolation.describe()}): {err}") from err
         finally:
+            with self._lock:
+                self._in_flight -= 1
             if as_verifier:
                 self._hand_back("/app")
         if killed is None and self.group is not None and self.group.oom_kills() > oom_kills:
             killed = "memory_limit"
-        return RunResult(returncode, output.decode("utf-8", errors="replace"), seconds, killed, truncated)
+        full = None
+        if self._disks and not verifier:
+            disk = os.statvfs(self._disks[0])
+            full = self._disk_bytes if disk.f_bavail * disk.f_frsize < 64 << 10 else None
+        return RunResult(returncode, output.decode("utf-8", errors="replace"), seconds, killed, truncated, full)
 
     def _hand_back(self, virtual: str) -> None:
         """Give what the verifier made under ``virtual`` to the agent's uid (as files a root
@@ -486,16 +517,27 @@ class Sandbox:
             if entry.stat.st_uid == self.verifier_uid or entry.stat.st_gid == self.verifier_uid:
                 os.chown(entry.name, self.uid, self.uid, dir_fd=entry.dir_fd, follow_symlinks=False)
 
+    def _uids(self) -> tuple[int, ...]:
+        return tuple(dict.fromkeys((self.uid, self.verifier_uid)))
+
     # ----- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:
-        """Kill what is left, remove the cgroup, the disks and the directory (any depth),
-        and release the uid, which happens even when a step before it fails."""
+        """Kill what is left (a command still running in another thread), remove the
+        cgroup, the disks and the directory (any depth), and release the uid, which happens
+        even when a step before it fails."""
         if self._closed:
             return
         self._closed = True
         try:
             if self.uid is not None:
-                kill_uids(*dict.fromkeys((self.uid, self.verifier_uid)))
+                # A command's processes end with it (its PID namespace, or the launcher's sweep after
+                # it), so only a command still running in another thread can leave any.
+                if self._in_flight or self.isolation.processes != "pidns":
+                    kill_uids(*self._uids())
+                if self.isolation.ipc == "host":  # its commands shared the host's IPC namespace: clear its objects
+                    isolation.remove_ipc(self._uids())
+                if self.filesystem == "plain":  # and the host's shared directories: clear its files there
+                    _remove_owned(("/tmp", "/var/tmp", "/dev/shm"), self._uids())
             if self.group is not None:
                 self.group.close()
             while self._disks:

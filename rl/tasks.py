@@ -147,9 +147,19 @@ def _validated(tasks: list[HarborTask], workdir: str | None, workers: int) -> di
     return status
 
 
+def sandbox_limits(cfg) -> Limits:
+    """Each command's limits in the job's sandboxes: the env section's ``command_seconds``,
+    and ``memory_mb``, ``disk_mb`` and ``cpus`` where it sets them (else ``Limits``'s
+    defaults: 2 GiB, 1 GiB, one core per sandbox)."""
+    e, default = cfg.env, Limits()
+    mib = lambda key, value: int(e.get(key, value >> 20)) << 20  # noqa: E731
+    return Limits(wall_seconds=e.command_seconds, memory_bytes=mib("memory_mb", default.memory_bytes),
+                  disk_bytes=mib("disk_mb", default.disk_bytes), cpus=e.get("cpus", default.cpus))
+
+
 def make_env(cfg) -> ShellEnv:
     e = cfg.env
-    return ShellEnv(limits=Limits(wall_seconds=e.command_seconds), max_turns=e.max_turns,
+    return ShellEnv(limits=sandbox_limits(cfg), max_turns=e.max_turns,
                     observation_bytes=e.observation_bytes, show_help=e.show_help, action_format=e.action_format,
                     timing=e.get("timing", True))
 

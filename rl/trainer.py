@@ -43,7 +43,6 @@ from envs import evaluate as evaluate_matrix
 from envs import families
 from envs.base import is_full
 from envs.reward import RewardConfig
-from envs.sandbox import Limits
 from envs.reward import reward as shape
 from glmjax import distributed, sharding
 from rl import rollout as ro
@@ -134,7 +133,7 @@ def _matrix(cfg, engine: GlmEngine, heldout, workdir: str) -> dict:
             samples=m.samples, ks=[int(k) for k in str(m.ks).split(",")], model=os.path.join(workdir, "checkpoints"),
             workers=engine.max_concurrent_decodes, max_turns=e.max_turns, max_tokens=e.turn_tokens,
             temperature=cfg.rl.temperature, show_help=e.show_help, timing=e.get("timing", True),
-            limits=Limits(wall_seconds=e.command_seconds))
+            limits=rl_tasks.sandbox_limits(cfg))
     finally:
         driver.stop()
     with open(os.path.join(workdir, "eval_matrix.json"), "w") as f:

@@ -375,6 +375,20 @@ def test_shared_memory_is_seen_by_no_other_episode_and_freed_with_its_command():
     assert 0x676C6D6A not in _host_shm_keys()
 
 
+@needs_uid
+def test_without_ipc_namespaces_close_removes_what_the_sandbox_made(monkeypatch):
+    """Where commands share the host's IPC namespace, the segment outlives its command (as
+    the host's) and ``close()`` removes it."""
+    import dataclasses
+
+    monkeypatch.setattr(sandbox_module, "_PROBED", dataclasses.replace(probe(), ipc="host"))
+    box = Sandbox()
+    assert box.run(SHM + str(1 << 20)).ok
+    assert 0x676C6D6A in _host_shm_keys()
+    box.close()
+    assert 0x676C6D6A not in _host_shm_keys()
+
+
 @pytest.fixture
 def host_secrets():
     """A world-readable file and a listening unix socket under /var/tmp and /opt, where
@@ -483,7 +497,7 @@ def test_filling_the_disk_stops_at_the_quota_and_the_verifier_still_scores():
         pytest.skip("no disk quota here: " + box.isolation.describe())
     obs, *_ = env.step("<bash>echo 42 > /app/answer.txt; for i in $(seq 24); do head -c 64M /dev/zero > "
                        "/app/fill$i || break; done; du -sm /app /tmp | cut -f1</bash>")
-    assert "No space left on device" in obs, obs
+    assert "No space left on device" in obs and "disk full: 1024 MiB quota" in obs, obs
     used = sum(os.path.getsize(os.path.join(box.host_path("/app"), n)) for n in os.listdir(box.host_path("/app")))
     assert (1 << 30) - (64 << 20) < used <= 1 << 30, used
     assert box.run("echo more > /tmp/x").returncode != 0  # /tmp is on the same full disk ...
