@@ -102,14 +102,14 @@ def _read(path: str) -> str | None:
 
 
 class Group:
-    """A sandbox's fresh groups: ``memory`` and ``cpu`` are each a (version, parent) from
-    ``available()`` or None. Memory is capped at ``memory_bytes`` (swap included where the
+    """A sandbox's fresh groups, called ``name``: ``memory`` and ``cpu`` are each a
+    (version, parent) from ``available()`` or None. Memory is capped at ``memory_bytes`` (swap included where the
     kernel accounts it), CPU at ``cpus`` cores. ``procs`` are the files a process writes
     its pid to, to join (one under v2, one per controller under v1)."""
 
     def __init__(self, *, memory: tuple[str, str] | None, cpu: tuple[str, str] | None, memory_bytes: int,
-                 cpus: float):
-        name = f"glmjax-sbx-{uuid.uuid4().hex[:12]}"
+                 cpus: float, name: str | None = None):
+        name = name or f"glmjax-sbx-{uuid.uuid4().hex[:12]}"
         self.paths: dict[str, tuple[str, str]] = {}  # controller -> (version, group directory)
         self.memory_limit = self.cpu_limit = None
         made: list[str] = []
@@ -123,8 +123,9 @@ class Group:
                     os.mkdir(path)
                     made.append(path)
                 self.paths[controller] = (version, path)
-            if memory and memory[0] == "v2" and os.path.exists(os.path.join(self.paths["memory"][1], "memory.swap.max")):
-                _write(os.path.join(self.paths["memory"][1], "memory.swap.max"), "0")
+            swap = self._file("memory", "memory.swap.max")
+            if memory and memory[0] == "v2" and os.path.exists(swap):
+                _write(swap, "0")
             self.set_limits(memory_bytes, cpus)
         except OSError:
             for path in reversed(made):
@@ -168,8 +169,11 @@ class Group:
     def usage_bytes(self) -> int | None:
         """The memory the group holds now: its processes' and the pages charged to it
         (tmpfs files, shared memory) that outlive them."""
-        text = _read(self._file("memory", "memory.current") or "") or _read(self._file("memory", "memory.usage_in_bytes") or "")
-        return int(text.split()[0]) if text else None
+        for name in ("memory.current", "memory.usage_in_bytes"):
+            text = _read(self._file("memory", name) or "")
+            if text:
+                return int(text.split()[0])
+        return None
 
     def peak_bytes(self) -> int | None:
         for name in ("memory.peak", "memory.max_usage_in_bytes"):
@@ -198,6 +202,16 @@ class Group:
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.02)
+
+
+def remove(name: str) -> None:
+    """Remove the groups called ``name`` that a killed process left (their processes must be
+    gone), wherever ``available()`` makes groups."""
+    for where in dict.fromkeys(w for w in available().values() if w):
+        try:
+            os.rmdir(os.path.join(where[1], name))
+        except FileNotFoundError:
+            pass
 
 
 def available() -> dict[str, tuple[str, str] | None]:

@@ -189,14 +189,15 @@ def _mount_points() -> list[str]:
 
 
 def _clear_leftovers(uid: int, lock_fd: int) -> None:
-    """What a killed process's sandbox of ``uid`` left: its processes, its disks' mounts,
-    its directory. A sandbox writes its root into its uid's lock file and empties the file
+    """What a killed process's sandbox of ``uid`` left: its processes, its cgroup, its
+    disks' mounts, its directory. A sandbox writes its root into its uid's lock file and empties the file
     when it has closed cleanly, so only a sandbox that did not close leaves a path there;
     the caller holds the lock, so no live sandbox owns what is cleared."""
     root = os.pread(lock_fd, 4096, 0).decode(errors="replace")
     if not root:
         return
     kill_uids(uid, isolation.verifier_uid(uid))
+    cgroup.remove(os.path.basename(root))
     for point in sorted(_mount_points(), key=len, reverse=True):
         if point.startswith(root + "/"):
             isolation.unmount(point)
@@ -278,8 +279,9 @@ class RunResult:
 
     def summary(self, timing: bool = True) -> str:
         why = self.killed or self.signal or f"exit {self.returncode}"
-        full = f", disk full: {self.disk_full >> 20} MiB quota" if self.disk_full else ""
-        return f"[{why}{f', {self.seconds:.2f}s' if timing else ''}{', output truncated' if self.truncated else ''}{full}]"
+        notes = ([f"{self.seconds:.2f}s"] if timing else []) + (["output truncated"] if self.truncated else []) \
+            + ([f"disk full: {self.disk_full >> 20} MiB quota"] if self.disk_full else [])
+        return "[" + ", ".join([why] + notes) + "]"
 
 
 class Sandbox:
@@ -321,14 +323,15 @@ class Sandbox:
         try:
             if self.uid is not None:
                 _clear_leftovers(self.uid, self._lock_fd)
-            groups = cgroup.available() if self.uid is not None else {}
-            if any(groups.values()):
-                self.group = cgroup.Group(**groups, memory_bytes=limits.memory_bytes, cpus=limits.cpus)
             self.root = tempfile.mkdtemp(prefix=f"glmjax-sbx-{self.uid if self.uid is not None else 'u'}-",
                                          dir=base_dir or os.environ.get("GLMJAX_SANDBOX_DIR"))
             os.chmod(self.root, 0o711)
             if self._lock_fd is not None:
                 os.pwrite(self._lock_fd, self.root.encode(), 0)
+            groups = cgroup.available() if self.uid is not None else {}
+            if any(groups.values()):  # named as the root is, so that a killed run's group is found
+                self.group = cgroup.Group(**groups, memory_bytes=limits.memory_bytes, cpus=limits.cpus,
+                                          name=os.path.basename(self.root))
             os.mkdir(os.path.join(self.root, ".root"))
             for disk in ("agent", "verifier"):
                 path = os.path.join(self.root, disk)
@@ -488,16 +491,18 @@ class Sandbox:
             oom_kills = self.group.oom_kills()
         with self._lock:
             self._in_flight += 1
+        returned = False
         try:
             returncode, output, killed, truncated, seconds = launcher.call(
                 "run", argv=["/bin/bash", "-c", command], env=self.env(env), plan=plan,
                 stdin=stdin.encode() if stdin else None, wall_seconds=limits.wall_seconds,
                 output_bytes=limits.output_bytes)
+            returned = True
         except (subprocess.SubprocessError, launcher.HelperDied) as err:
-            if isinstance(err, launcher.HelperDied) and self.uid is not None:
-                kill_uids(*self._uids())  # no helper watches the command any more: end it now
             raise SandboxError(f"could not start a sandboxed command ({self.isolation.describe()}): {err}") from err
         finally:
+            if not returned and self.uid is not None:  # the helper died or the caller was interrupted (a
+                kill_uids(*self._uids())  # signal): nothing watches the command any more, so it ends now
             with self._lock:
                 self._in_flight -= 1
             if as_verifier:
@@ -523,33 +528,43 @@ class Sandbox:
     # ----- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:
         """Kill what is left (a command still running in another thread), remove the
-        cgroup, the disks and the directory (any depth), and release the uid, which happens
-        even when a step before it fails."""
+        cgroup, the disks and the directory (any depth), and release the uid. Every step is
+        tried even when one before it fails (the first failure is raised after them); a
+        sandbox not wholly cleared leaves its root in its uid's lock file, for the uid's
+        next holder to clear."""
         if self._closed:
             return
         self._closed = True
-        try:
-            if self.uid is not None:
-                # A command's processes end with it (its PID namespace, or the launcher's sweep after
-                # it), so only a command still running in another thread can leave any.
-                if self._in_flight or self.isolation.processes != "pidns":
-                    kill_uids(*self._uids())
-                if self.isolation.ipc == "host":  # its commands shared the host's IPC namespace: clear its objects
-                    isolation.remove_ipc(self._uids())
-                if self.filesystem == "plain":  # and the host's shared directories: clear its files there
-                    _remove_owned(("/tmp", "/var/tmp", "/dev/shm"), self._uids())
-            if self.group is not None:
-                self.group.close()
-            while self._disks:
-                isolation.unmount(self._disks.pop())
-            if self.root is not None:
-                tree.rmtree(self.root)
-            if self._lock_fd is not None:
-                os.ftruncate(self._lock_fd, 0)  # closed cleanly: nothing for the uid's next holder to clear
-        finally:
-            if self._lock_fd is not None:
-                os.close(self._lock_fd)
-                self._lock_fd = None
+        failed: list[BaseException] = []
+
+        def attempt(step, *args) -> None:
+            try:
+                step(*args)
+            except Exception as err:
+                failed.append(err)
+
+        if self.uid is not None:
+            # A command's processes end with it (its PID namespace, or the launcher's sweep after
+            # it), so only a command still running in another thread can leave any.
+            if self._in_flight or self.isolation.processes != "pidns":
+                attempt(kill_uids, *self._uids())
+            if self.isolation.ipc == "host":  # its commands shared the host's IPC namespace: clear its objects
+                attempt(isolation.remove_ipc, self._uids())
+            if self.filesystem == "plain":  # and the host's shared directories: clear its files there
+                attempt(_remove_owned, ("/tmp", "/var/tmp", "/dev/shm"), self._uids())
+        if self.group is not None:
+            attempt(self.group.close)
+        while self._disks:
+            attempt(isolation.unmount, self._disks.pop())
+        if self.root is not None:
+            attempt(tree.rmtree, self.root)
+        if self._lock_fd is not None:
+            if not failed:
+                attempt(os.ftruncate, self._lock_fd, 0)  # closed cleanly: nothing for the next holder to clear
+            os.close(self._lock_fd)
+            self._lock_fd = None
+        if failed:
+            raise failed[0]
 
     def __enter__(self) -> "Sandbox":
         return self

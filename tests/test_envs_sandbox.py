@@ -341,7 +341,8 @@ def test_without_a_cgroup_each_process_is_capped_and_the_report_says_so(monkeypa
 
 
 # ----- a hostile agent: each way out that was found open, tried again --------------------------
-SHM = ("python3 -c \"import ctypes, sys\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.shmat.restype = ctypes.c_void_p\n"
+SHM = ("python3 -c \"import ctypes, sys\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+       "libc.shmat.restype = ctypes.c_void_p\n"
        "key, size = 0x676c6d6a, int(sys.argv[1])\n"
        "shmid = libc.shmget(key, size, 0o1666 if size else 0)\n"  # IPC_CREAT | 0666, or look it up
        "if shmid < 0: print('no segment', ctypes.get_errno()); sys.exit(0)\n"
@@ -431,7 +432,8 @@ CONNECT = ("python3 -c \"import socket, sys\ns = socket.socket(socket.AF_UNIX)\n
 def test_no_host_file_or_socket_under_var_or_opt_is_reachable(host_secrets):
     made, servers, accepted = host_secrets
     script = "; ".join([f"cat {d}/secret.txt; ls {d}; {CONNECT}{d}/service.sock" for d in made]
-                       + [f"{CONNECT}@glmjax-attack-{os.getpid()}", "ls -A /var /var/tmp /var/lib /opt /srv /home /run"])
+                       + [f"{CONNECT}@glmjax-attack-{os.getpid()}",
+                          "ls -A /var /var/tmp /var/lib /opt /srv /home /run"])
     with Sandbox() as box:
         outputs = [box.run(script).output, box.run(script, verifier=True).output]
     for output in outputs:
@@ -568,7 +570,8 @@ def test_two_runs_with_different_tmpdirs_never_share_a_uid(tmp_path, monkeypatch
             "sys.stdin.readline()\nprint(box.run('echo alive').output.strip(), flush=True)\nbox.close()\n")
     (tmp_path / "a").mkdir()
     other = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                             env=dict(os.environ, TMPDIR=str(tmp_path / "a")), cwd=os.path.dirname(os.path.dirname(__file__)))
+                             env=dict(os.environ, TMPDIR=str(tmp_path / "a")),
+                             cwd=os.path.dirname(os.path.dirname(__file__)))
     held = int(other.stdout.readline())
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "b"))
     (tmp_path / "b").mkdir()
@@ -584,9 +587,11 @@ def test_two_runs_with_different_tmpdirs_never_share_a_uid(tmp_path, monkeypatch
 
 @needs_uid
 def test_a_killed_runs_sandbox_is_cleared_by_the_next_holder_of_its_uid(tmp_path, monkeypatch):
-    """A process killed with its sandbox open leaves its disks mounted and its directory;
-    the next sandbox to claim that uid unmounts and removes them."""
+    """A process killed with its sandbox open leaves its disks mounted, its cgroup and its
+    directory; the next sandbox to claim that uid unmounts and removes them."""
     import signal
+
+    from envs import cgroup
     import subprocess
     import sys
 
@@ -600,10 +605,13 @@ def test_a_killed_runs_sandbox_is_cleared_by_the_next_holder_of_its_uid(tmp_path
     mounted = lambda: [line for line in open("/proc/self/mountinfo") if root in line]  # noqa: E731
     if ISO.disk == "tmpfs":
         assert mounted(), "the killed process's disks should still be mounted"
+    groups = [os.path.join(where[1], os.path.basename(root)) for where in cgroup.available().values() if where]
+    assert all(os.path.isdir(group) for group in groups)
     monkeypatch.setattr(isolation, "_first_candidate", lambda: int(uid) - isolation.UID_BASE)
     with Sandbox() as box:
         assert box.uid == int(uid)
     assert mounted() == [] and not os.path.exists(root)
+    assert not any(os.path.exists(group) for group in groups)
 
 
 def test_cgroup_files_are_written_as_each_version_reads_them(tmp_path):
