@@ -87,8 +87,8 @@ What is enforced, and how (``probe()`` says which of these this machine allows;
   through directory descriptors (``envs/tree.py``): a tree thousands of levels deep, or
   with paths past ``PATH_MAX``, is hashed and removed like any other, and ``close``
   releases the sandbox's uid even when a step before it fails. A sandbox left behind by a
-  killed process (its mounts, processes, directory) is cleared by the next one that
-  claims its uid.
+  killed process (its processes, cgroup, mounts, directory) is cleared by the next one
+  that claims its uid.
 
 Commands are forked by small helper processes (``envs/launcher.py``), never by the caller:
 a fork's cost grows with the forking process's memory, and a multithreaded process (a
