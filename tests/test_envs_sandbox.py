@@ -1,18 +1,26 @@
 """Sandbox: each escape attempt is stopped within its limit, scores 0, and harms nothing else."""
 
+import dataclasses
 import os
+import pathlib
+import secrets
+import signal
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 
 import pytest
 
-from envs import isolation
+from envs import cgroup, harbor_dirs, isolation, tree
 from envs import sandbox as sandbox_module
 from envs.cli import main
 from envs.harbor import HarborTask
 from envs.sandbox import Isolation, Limits, Sandbox, SandboxError, probe
 from envs.shell import ShellEnv
+from tests.harbor_util import write_task
 
 ISO = probe()
 needs_netns = pytest.mark.skipif(ISO.network != "netns", reason="no network namespaces here: " + ISO.describe())
@@ -292,8 +300,6 @@ def test_a_tree_1100_levels_deep_is_hashed_checked_and_removed():
 
 @needs_uid
 def test_close_releases_the_uid_even_when_removing_the_directory_fails(monkeypatch):
-    from envs import tree
-
     box = Sandbox()
     root, uid = box.root, box.uid
     monkeypatch.setattr(tree, "rmtree", lambda path: (_ for _ in ()).throw(OSError(f"cannot remove {path}")))
@@ -326,8 +332,6 @@ def test_memory_is_capped_as_the_report_says():
 
 
 def test_without_a_cgroup_each_process_is_capped_and_the_report_says_so(monkeypatch):
-    from envs import cgroup
-
     monkeypatch.setattr(sandbox_module, "_PROBED", None)
     monkeypatch.setattr(cgroup, "available", lambda: {"memory": None, "cpu": None})
     found = sandbox_module.probe()
@@ -380,8 +384,6 @@ def test_shared_memory_is_seen_by_no_other_episode_and_freed_with_its_command():
 def test_without_ipc_namespaces_close_removes_what_the_sandbox_made(monkeypatch):
     """Where commands share the host's IPC namespace, the segment outlives its command (as
     the host's) and ``close()`` removes it."""
-    import dataclasses
-
     monkeypatch.setattr(sandbox_module, "_PROBED", dataclasses.replace(probe(), ipc="host"))
     box = Sandbox()
     assert box.run(SHM + str(1 << 20)).ok
@@ -454,17 +456,9 @@ def test_a_task_directorys_tests_are_not_there_for_the_agent(top):
     """A Harbor task directory wherever a team keeps one (under /var, /opt, or installed
     with a Python package under the interpreter's prefix, which the sandbox binds): the
     agent finds neither the task's tests nor its solution, and cannot score by them."""
-    import secrets
-    import sys
-
-    from envs import harbor_dirs
-    from tests.harbor_util import write_task
-
     token = f"ANSWER-{secrets.token_hex(6)}"
     base = (os.path.join(sys.prefix, "share") if top == "prefix" else top) + f"/glmjax-tasks-{os.getpid()}"
     test = f"#!/bin/bash\n[ \"$(cat /app/answer.txt)\" = {token} ] && echo 1 > /logs/verifier/reward.txt\n"
-    import pathlib
-
     path = write_task(pathlib.Path(base), "leak", solve=f"#!/bin/bash\necho {token} > /app/answer.txt\n", test=test,
                       instruction="Write the answer to /app/answer.txt.\n")
     try:
@@ -483,8 +477,6 @@ def test_a_task_directorys_tests_are_not_there_for_the_agent(top):
         env.close()
         assert done and reward == 1.0
     finally:
-        from envs import tree
-
         tree.rmtree(base)
 
 
@@ -562,10 +554,6 @@ def test_the_verifiers_root_reaches_the_sandboxs_files_only():
 def test_two_runs_with_different_tmpdirs_never_share_a_uid(tmp_path, monkeypatch):
     """Another process (with its own TMPDIR) holds a sandbox; this one, with another TMPDIR,
     is steered at the same uid: it gets a different one, and the other's commands go on."""
-    import subprocess
-    import sys
-    import tempfile
-
     code = ("import sys; from envs.sandbox import Sandbox\nbox = Sandbox()\nprint(box.uid, flush=True)\n"
             "sys.stdin.readline()\nprint(box.run('echo alive').output.strip(), flush=True)\nbox.close()\n")
     (tmp_path / "a").mkdir()
@@ -589,12 +577,6 @@ def test_two_runs_with_different_tmpdirs_never_share_a_uid(tmp_path, monkeypatch
 def test_a_killed_runs_sandbox_is_cleared_by_the_next_holder_of_its_uid(tmp_path, monkeypatch):
     """A process killed with its sandbox open leaves its disks mounted, its cgroup and its
     directory; the next sandbox to claim that uid unmounts and removes them."""
-    import signal
-
-    from envs import cgroup
-    import subprocess
-    import sys
-
     code = ("from envs.sandbox import Sandbox\nbox = Sandbox(base_dir=%r)\nbox.run('echo x > /app/x')\n"
             "print(box.uid, box.root, flush=True)\nimport time; time.sleep(60)\n" % str(tmp_path))
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
@@ -618,7 +600,6 @@ def test_cgroup_files_are_written_as_each_version_reads_them(tmp_path):
     """The v2 and v1 file protocols on directories standing in for the hierarchies (this
     machine has one of the two): limits in each version's files and units, one group to
     join under v2, one per controller under v1."""
-    from envs import cgroup
 
     v2 = cgroup.Group(memory=("v2", str(tmp_path)), cpu=("v2", str(tmp_path)), memory_bytes=1 << 30, cpus=1.5)
     (path,) = {p for _, p in v2.paths.values()}
