@@ -126,6 +126,7 @@ _SYSTEM_TOPS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", 
 # agent's disk holds what it writes; the verifier's what only the verifier may write.
 _LAYOUT = {"/app": ("agent", "app"), "/tmp": ("agent", "tmp"), "/solution": ("agent", "solution"),
            "/logs": ("agent", "logs"), "/logs/verifier": ("verifier", "logs"), "/tests": ("verifier", "tests")}
+_TOPS = sorted(_LAYOUT, key=len, reverse=True)  # the longest first: /logs/verifier before /logs
 _VERIFIER_TMP = ("verifier", "tmp")  # the verifier's own /tmp (and HOME) under chroot
 _VERIFIER_DIRS = ("/tests", "/logs/verifier")
 _PROBED: Isolation | None = None
@@ -303,6 +304,7 @@ class Sandbox:
         if filesystem not in ("auto", "chroot", "plain"):
             raise ValueError(f"filesystem must be 'auto', 'chroot' or 'plain', got {filesystem!r}")
         avail = probe()
+        base_dir = base_dir or os.environ.get("GLMJAX_SANDBOX_DIR")
         if network == "none" and avail.network != "netns":
             raise SandboxError("no network namespace on this machine (" + "; ".join(avail.notes)
                                + "); pass network='host' to run commands with the host's network")
@@ -324,7 +326,7 @@ class Sandbox:
             if self.uid is not None:
                 _clear_leftovers(self.uid, self._lock_fd)
             self.root = tempfile.mkdtemp(prefix=f"glmjax-sbx-{self.uid if self.uid is not None else 'u'}-",
-                                         dir=base_dir or os.environ.get("GLMJAX_SANDBOX_DIR"))
+                                         dir=base_dir)
             os.chmod(self.root, 0o711)
             if self._lock_fd is not None:
                 os.pwrite(self._lock_fd, self.root.encode(), 0)
@@ -350,18 +352,16 @@ class Sandbox:
             raise
         self.tools = TOOLS if chroot else tool_dir()
         self._binds = ((tool_dir(), TOOLS, False),) + _interpreter_binds() if chroot else ()
-        sandbox_dirs = (self.root, base_dir or os.environ.get("GLMJAX_SANDBOX_DIR") or tempfile.gettempdir())
+        sandbox_dirs = (self.root, base_dir or tempfile.gettempdir())
         self._hidden = tuple(p for p in (*hide, *sandbox_dirs) if p)
         self._closed = False
 
     # ----- paths -----------------------------------------------------------------------
     def host_path(self, virtual: str) -> str:
         """Where a virtual path (``/app/x``, ``/logs/verifier``) lives on the host."""
-        for top in sorted(_LAYOUT, key=len, reverse=True):
-            if virtual == top or virtual.startswith(top + "/"):
-                rest = virtual[len(top) + 1:]
-                return os.path.join(self.root, *_LAYOUT[top], *([rest] if rest else []))
-        raise ValueError(f"{virtual!r} is not under one of the sandbox directories {VIRTUAL_DIRS}")
+        top = _top(virtual)
+        rest = virtual[len(top) + 1:]
+        return os.path.join(self.root, *_LAYOUT[top], *([rest] if rest else []))
 
     def path(self, virtual: str) -> str:
         """The path commands must use for ``virtual``: itself under chroot, else the host path."""
@@ -371,8 +371,7 @@ class Sandbox:
         """``script`` with the virtual directories replaced by ``path()`` (identity under chroot)."""
         if self.filesystem == "chroot":
             return script
-        tops = sorted(_LAYOUT, key=len, reverse=True)
-        pattern = r"(?<![\w./-])(" + "|".join(map(re.escape, tops)) + r")(?=[/\s\"'`;:)|&<>]|$)"
+        pattern = r"(?<![\w./-])(" + "|".join(map(re.escape, _TOPS)) + r")(?=[/\s\"'`;:)|&<>]|$)"
         return re.sub(pattern, lambda m: self.host_path(m.group(1)), script)
 
     def _owner(self, virtual: str) -> int | None:
@@ -422,9 +421,7 @@ class Sandbox:
         os.chmod(host, mode if mode is not None else (0o755 if data.startswith(b"#!") else 0o644))
         owner = self._owner(virtual)
         if owner is not None:
-            top = next(t for t in sorted(_LAYOUT, key=len, reverse=True)
-                       if virtual == t or virtual.startswith(t + "/"))
-            for path in [host] + [d for d in _parents(parent, self.host_path(top))]:
+            for path in [host] + [d for d in _parents(parent, self.host_path(_top(virtual)))]:
                 os.lchown(path, owner, owner)
 
     def read_bytes(self, virtual: str, limit: int = 1 << 20) -> bytes | None:
@@ -577,6 +574,14 @@ class Sandbox:
             self.close()
         except Exception:  # interpreter shutdown: best effort only
             pass
+
+
+def _top(virtual: str) -> str:
+    """The sandbox directory (a key of ``_LAYOUT``) that holds ``virtual``."""
+    for top in _TOPS:
+        if virtual == top or virtual.startswith(top + "/"):
+            return top
+    raise ValueError(f"{virtual!r} is not under one of the sandbox directories {VIRTUAL_DIRS}")
 
 
 def _parents(path: str, top: str):
