@@ -37,12 +37,12 @@ setup(
     extras_require={
         # torch is pinned to the release whose CPU wheel the test machines carry; any other
         # version pulls the CUDA build (gigabytes) just to run the Hugging Face reference.
-        # nbclient, nbformat and ipykernel execute notebooks/ablations.ipynb (tests/test_notebook.py).
+        # nbclient, nbformat and ipykernel execute notebooks/ablations.ipynb (tests/notebooks/test_notebook.py).
         "test": ["pytest-xdist>=3.6", "torch==2.13.0", "transformers>=5.24,<6", "grpcio", "protobuf", "prometheus-client",
                  "nbclient", "nbformat", "ipykernel"],
         "serve": ["grpcio", "protobuf", "prometheus-client"],
         "gpu": [f"jax[cuda12]=={JAX_VERSION}"],
         "tpu": [f"jax[tpu]=={JAX_VERSION}"],
     },
-    entry_points={"console_scripts": ["glmjax-train=rl.cli:main", "glmjax-serve=rl.serve:main", "glmjax-envs=envs.cli:main"]},
+    entry_points={"console_scripts": ["glmjax-train=rl.cli:main", "glmjax-serve=rl.engine.serve:main", "glmjax-envs=envs.cli:main"]},
 )

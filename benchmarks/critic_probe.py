@@ -46,10 +46,10 @@ from rl import tasks as rl_tasks  # noqa: E402
 from rl import base_model  # noqa: E402
 from rl.cli import use_compile_cache  # noqa: E402
 from rl.collector import drive  # noqa: E402
-from rl.driver import Driver  # noqa: E402
-from rl.engine import GlmEngine  # noqa: E402
+from rl.engine.driver import Driver  # noqa: E402
+from rl.engine.engine import GlmEngine  # noqa: E402
 from rl.learner import Learner, ValueModel  # noqa: E402
-from rl.weights import WeightStore  # noqa: E402
+from rl.engine.weights import WeightStore  # noqa: E402
 
 
 def _sample(engine, cfg, tasks, first_id: int):

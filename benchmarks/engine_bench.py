@@ -20,7 +20,7 @@ router utilisation and the cost of publishing weights. All in one run, JSON out.
   `prefill_b*_over_floor`: the prefill floor over the time of prefill and one token.
 * mtp: configs/tiny.py trained --mtp-steps steps on the two-lag Markov corpus of
   glmjax/train.py (LM + depth-1 MTP loss + the DSA sparse stage); then, per draft mode
-  ("own" MTP cache, "shared" main-model latents and top-k: rl/speculative.py), a copy
+  ("own" MTP cache, "shared" main-model latents and top-k: rl/engine/speculative.py), a copy
   whose MTP layer is fine-tuned --draft-steps steps to draft recursively at depths 1..5
   (glmjax/train.py's multi-depth `mtp_loss`, only the MTP layer trainable). Greedy decoding of held-out prompts at batch 1 with 5 drafts:
   accepted drafts per step (0..5; tokens per step is that plus one) and tokens/s against
@@ -28,7 +28,7 @@ router utilisation and the cost of publishing weights. All in one run, JSON out.
 * mtp_main_job: the same speculation on the main job's own base model (configs/sao_tiny.py,
   its SFT base trained here) over its held-out prompts, sampled at the RL temperature, at
   the job's serving batch and at batch 1: `mtp_accept_len_main_job` and the speedup.
-* quant: rl/quant.py's weight-only quantization of the routed experts (bf16, int8, int4)
+* quant: rl/engine/quant.py's weight-only quantization of the routed experts (bf16, int8, int4)
   against the fp32 weights: on the MTP section's trained tiny model, the logit error and
   top-1 agreement on held-out sequences and the share of greedy tokens that match; on
   configs/small.py, decode tokens/s at batch 8 (same workload as the decode section).
@@ -71,11 +71,11 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import floor  # noqa: E402
 import glmjax  # noqa: E402
 from glmjax import presets, train  # noqa: E402
-from rl.driver import Driver, Request  # noqa: E402
-from rl.engine import GlmEngine  # noqa: E402
-from rl.router import Router  # noqa: E402
-from rl import quant  # noqa: E402
-from rl.weights import WeightStore  # noqa: E402
+from rl.engine.driver import Driver, Request  # noqa: E402
+from rl.engine.engine import GlmEngine  # noqa: E402
+from rl.engine.router import Router  # noqa: E402
+from rl.engine import quant  # noqa: E402
+from rl.engine.weights import WeightStore  # noqa: E402
 
 PROMPT_LEN = 64
 # transformers' greedy generate on configs/small.py, tokens/s, measured on this 2-core machine

@@ -9,7 +9,7 @@ read by transformers' AutoModelForCausalLM, so both run identical parameters in 
     token's logits (glmjax's logits_at, transformers' logits_to_keep=1).
   * decode: greedy generation of --new-tokens tokens after 64-token prompts at batch 1, 8
     and 64: glmjax.generate against transformers' generate with its KV cache, and at the
-    largest batch also the rollout engine (rl/engine.py through its Driver) on the same
+    largest batch also the rollout engine (rl/engine/engine.py through its Driver) on the same
     requests. `steady` figures leave the prefill out: (time for n tokens less the time
     for 1) over n - 1, the same way on both sides.
   * learner: one SAO learner step of the main job (configs/sao_tiny.py: batch 64 x 28
@@ -49,8 +49,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import floor  # noqa: E402
 import glmjax  # noqa: E402
 from glmjax import presets  # noqa: E402
-from rl.driver import Driver, Request  # noqa: E402
-from rl.engine import GlmEngine  # noqa: E402
+from rl.engine.driver import Driver, Request  # noqa: E402
+from rl.engine.engine import GlmEngine  # noqa: E402
 from rl.learner import Learner, ValueModel  # noqa: E402
 from rl.sao import Batch  # noqa: E402
 

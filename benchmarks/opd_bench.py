@@ -3,7 +3,7 @@
     python benchmarks/opd_bench.py --out results/opd_bench.json
 
 N teachers (random weights: only time is measured) are saved as orbax teacher checkpoints
-(rl/teachers.py). Then, as the OPD job runs its rounds (rl/opd_trainer.py, Scorer): for
+(rl/distill/teachers.py). Then, as the OPD job runs its rounds (rl/distill/trainer.py, Scorer): for
 each domain in turn the student samples a group of answers with the engine and the
 domain's teacher scores them; right after each switch the next teacher in the queue of
 work is prefetched, so it loads while this group is scored and the next one sampled. The schedule runs twice,
@@ -37,9 +37,9 @@ import glmjax
 from envs import families
 from glmjax.presets import load_config, model_config_from
 from rl import rollout as ro
-from rl import teachers
-from rl.driver import Driver, Request
-from rl.engine import GlmEngine
+from rl.distill import teachers
+from rl.engine.driver import Driver, Request
+from rl.engine.engine import GlmEngine
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAMILIES = ("sorting", "strings", "arithmetic")

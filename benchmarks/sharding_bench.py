@@ -26,7 +26,7 @@ pressure), and its anonymous part alone (memory the load allocates), sampled eve
 Each shard is read and placed alone, so the anonymous excess stays near the largest
 shard, not the model.
 
-publish: milliseconds of `WeightStore.publish` (rl/weights.py) for configs/tiny.py and
+publish: milliseconds of `WeightStore.publish` (rl/engine/weights.py) for configs/tiny.py and
 configs/small.py, until the published arrays are ready, median of PUBLISH_REPEATS: into
 the learner's own layout (fsdp=8, a reference swap), into another layout on the same
 devices (expert=4 x tensor=2) and onto disjoint devices (fsdp=4 on devices 0-3 to
@@ -62,10 +62,10 @@ sys.path.insert(0, str(REPO))
 import glmjax  # noqa: E402
 from glmjax import presets, sharding  # noqa: E402
 from rl import sao  # noqa: E402
-from rl.driver import Driver, Request  # noqa: E402
-from rl.engine import GlmEngine  # noqa: E402
+from rl.engine.driver import Driver, Request  # noqa: E402
+from rl.engine.engine import GlmEngine  # noqa: E402
 from rl.learner import Learner, ValueModel  # noqa: E402
-from rl.weights import WeightStore  # noqa: E402
+from rl.engine.weights import WeightStore  # noqa: E402
 
 MESHES = {
     "data8": dict(data=8),

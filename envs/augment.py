@@ -12,7 +12,7 @@
 
 An augmented task gets a new id (``<id>-aug<hash>``) and ``metadata["augmentations"]``.
 A perturbation can still break a verifier in ways nobody foresaw, so augmented tasks go
-through the three checks again before training (``envs/validate.py``); ``augment``
+through the three checks again before training (``envs/harbor/validate.py``); ``augment``
 refuses, with ``ValueError``, a text task whose oracle stops scoring full.
 """
 
@@ -25,7 +25,7 @@ import re
 from typing import Callable, Mapping, Sequence
 
 from envs.base import Task, TextTask, is_full
-from envs.harbor import HarborTask
+from envs.harbor.task import HarborTask
 
 _NOISE = ("warning: setlocale: LC_ALL: cannot change locale", "\x1b[33mnote:\x1b[0m cache refreshed",
           "[#####     ] 50%", "DeprecationWarning: this flag will be removed", "Reading package lists... Done")

@@ -7,7 +7,7 @@ Two kinds of task:
   prompt ``"12+7="``, answer ``"19\\n"``. The answer is the completion up to the first
   ``terminator`` (``"\\n"``); a completion that stops without one is taken whole.
   ``TextEnv`` runs them as one-step episodes.
-- ``HarborTask`` (``envs/harbor.py``): a working directory, an instruction, a reference
+- ``HarborTask`` (``envs/harbor/task.py``): a working directory, an instruction, a reference
   solution (``solve.sh``) and hidden tests (``tests/test.sh``), run multi-turn by
   ``ShellEnv`` (``envs/shell.py``) in a ``Sandbox``.
 

@@ -27,7 +27,11 @@ import signal
 import sys
 import threading
 
-from envs import evaluate, families, harbor, harbor_dirs, models, sandbox, validate
+from envs import evaluate, families, models
+from envs.harbor import task as harbor
+from envs.harbor import dirs as harbor_dirs
+from envs.sandbox import sandbox
+from envs.harbor import validate
 from envs.generate import generate
 from envs.shell import ShellEnv
 

@@ -28,10 +28,11 @@ import subprocess
 from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
-from envs import families, tree
+from envs import families
+from envs.sandbox import tree
 from envs.base import TextTask, is_full, parse_action
 from envs.models import ModelClient, ModelError
-from envs.sandbox import Limits
+from envs.sandbox.sandbox import Limits
 from envs.shell import ShellEnv
 
 CATEGORIES = {
@@ -55,7 +56,7 @@ def _bash_ok(command: str) -> bool:
 
 
 def _python_files_parse(env: ShellEnv) -> bool:
-    """Every .py file under /app parses (any depth: ``envs/tree.py``)."""
+    """Every .py file under /app parses (any depth: ``envs/sandbox/tree.py``)."""
     for entry in tree.files(env.sandbox.host_path("/app")):
         if entry.name.endswith(".py"):
             try:

@@ -14,7 +14,7 @@ The blog's agent-first pipeline, with every agent pluggable:
    ``pattern.verify(spec)``; with a model: ``verifier`` sees the instruction and
    ``spec.facts`` (never solve.sh nor ``spec.private``) and writes the body of
    ``test_outputs.py`` in a ```python block.
-5. The three checks (``envs/validate.py``) with the pattern's partial solutions.
+5. The three checks (``envs/harbor/validate.py``) with the pattern's partial solutions.
 6. Registry: accepted tasks are exported as Harbor directories under ``out/tasks/`` and
    listed, with their reports, in ``out/registry.json``; rejected ones are listed with
    the stage and the reason. Text families skip 2-4 (their verifier is the family's) and
@@ -35,11 +35,11 @@ from concurrent.futures import ThreadPoolExecutor
 from envs import families
 from envs.base import TextTask
 from envs.families.pattern import Pattern, Spec, python_tests
-from envs.harbor import HarborTask, UnsupportedTask, prepare, run_script
-from envs.harbor_dirs import export_task, load_task
+from envs.harbor.task import HarborTask, UnsupportedTask, prepare, run_script
+from envs.harbor.dirs import export_task, load_task
 from envs.models import ModelClient
-from envs.sandbox import Limits, Sandbox
-from envs.validate import validate
+from envs.sandbox.sandbox import Limits, Sandbox
+from envs.harbor.validate import validate
 
 _DRAWS = 8  # a pattern may reject a draw (code repair: a mutant with no failing test)
 _BLOCK = re.compile(r"```(\w*)\n(.*?)```", re.DOTALL)

@@ -11,7 +11,7 @@ one ends the text, is not included). Implementations here: ``OpenAIClient`` (any
 OpenAI-compatible ``/v1/completions`` endpoint, standard library only),
 ``ScriptedClient`` (fixed replies or a function of the prompt: tests, deterministic
 runs) and ``OracleClient`` (answers from the tasks' reference solutions: the ceiling of
-an evaluation). The glmjax engine adapter (``rl/engine.py``'s author adds it) only has to
+an evaluation). The glmjax engine adapter (``rl/engine/engine.py``'s author adds it) only has to
 implement ``complete`` with the engine's tokenizer and sampler; ``client_from_spec``
 names it ``engine:`` and says so until it exists.
 """

@@ -1,5 +1,5 @@
 """The two compiled pieces of decoding on a KV cache, shared by glmjax.generate and the
-rollout engine (rl/engine.py), so that a script's generation and the RL job's rollouts run
+rollout engine (rl/engine/engine.py), so that a script's generation and the RL job's rollouts run
 the same functions:
 
     prefill  ids [B, T] after the cache: each row's `true_length` first tokens are real;

@@ -1,7 +1,7 @@
 """Batched generation for library users: one prefill, then a compiled decode loop on the cache.
 
 The prefill and each step are glmjax/decoding.py's, the functions the rollout engine
-(rl/engine.py) runs; here the whole generation is one compiled call (a scan over the
+(rl/engine/engine.py) runs; here the whole generation is one compiled call (a scan over the
 steps), with no slots or scheduling, so a script gets at least the engine's speed.
 """
 

@@ -127,7 +127,7 @@ class GlmForCausalLM(nnx.Module):
           * cache, the MTP layer's own LayerCache: the new entries go after `lengths` [B]
             (positions are then lengths + arange(T));
           * context (mla.Context): another layer's cache, read only, with its visibility and
-            top-k ("shared" drafting, rl/speculative.py).
+            top-k ("shared" drafting, rl/engine/speculative.py).
         """
         if self.mtp is None:
             raise ValueError("this model has no MTP layer (config.num_nextn_predict_layers=0)")

@@ -4,7 +4,7 @@ Every row of a decode batch carries its own settings, so one compiled step serve
 and sampled requests side by side (the rollout engine's slots). `sampling_logprobs` turns
 logits into the log of the distribution a row samples from; greedy rows get a one-hot
 distribution at the argmax, which lets speculative decoding use one rejection rule for
-both (rl/speculative.py).
+both (rl/engine/speculative.py).
 
 The log-prob reported for a token (`token_logprobs`) is the one the learner needs as the
 behaviour policy: log softmax(logits / T) with top-k applied when sampled; for greedy

@@ -54,7 +54,7 @@ DEFAULT_RULES: Rules = (
     ("router", None),
     ("norm", None),
     ("layers", "stage"),
-    # the decode state (rl/engine.py) and its KV cache (glmjax/cache.py): the slots split
+    # the decode state (rl/engine/engine.py) and its KV cache (glmjax/cache.py): the slots split
     # like a batch; every slot's whole latent and length on the devices that hold it (MLA
     # decode reads all of a token's latent)
     ("slots", BATCH_AXES),

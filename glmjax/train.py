@@ -69,7 +69,7 @@ MTP_MODES = ("own", "shared")
 
 def mtp_draft_logits(model: GlmForCausalLM, ids: jax.Array, depth: int, mode: str = "own", *,
                      main: ModelOutput | None = None) -> list[jax.Array]:
-    """The MTP layer drafting recursively as the engine does (rl/speculative.py), at depths
+    """The MTP layer drafting recursively as the engine does (rl/engine/speculative.py), at depths
     1..depth: ids [B, T] -> logits_j [B, T-j, N] for j = 1..depth, row r (position
     r + j - 1) predicting ids[:, r + j + 1] (the last row has no target).
 

@@ -28,7 +28,7 @@ from glmjax import distributed, presets
 from glmjax import train as lm_train
 from rl import rollout as ro
 from rl import tasks as rl_tasks
-from rl.chat import ByteChat
+from glmjax.chat import ByteChat
 from rl.checkpoint import set_aside
 from rl.compaction import Compaction, oracle_segments
 

@@ -6,7 +6,7 @@
     glmjax-train --config configs/opd_tiny.py --workdir /tmp/opd       # multi-teacher distillation
 
 A config with an `rl` section runs the RL loop (rl/trainer.py); one with an `opd` section
-the on-policy distillation job (rl/opd_trainer.py); one with only `model` and `train`
+the on-policy distillation job (rl/distill/trainer.py); one with only `model` and `train`
 trains the language model (glmjax/cli.py). `--config.a.b=value` overrides a field.
 
 Bad input ends before any work, with the usage line and one `glmjax-train: error: ...`
@@ -63,7 +63,7 @@ def _job(cfg):
     """The module of the config's job: `check_config(cfg)` raises ValueError on bad fields,
     `run(cfg, workdir)` runs it."""
     if "opd" in cfg:
-        from rl import opd_trainer
+        from rl.distill import trainer as opd_trainer
 
         return opd_trainer
     if "rl" in cfg:

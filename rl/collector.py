@@ -29,7 +29,7 @@ import logging
 import time
 
 from rl import rollout as ro
-from rl.driver import Driver, Handle, Request
+from rl.engine.driver import Driver, Handle, Request
 
 log = logging.getLogger(__name__)
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
-from rl.driver import Request, Result
+from rl.engine.driver import Request, Result
 from rl.rollout import Trajectory, decode, encode
 
 

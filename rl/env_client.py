@@ -5,7 +5,7 @@
     envs.evaluate.evaluate(client, ...)            # or envs.generate's agents
 
 Text goes in and out as bytes (the tiny models' vocabulary) unless a tokenizer with
-`encode` / `decode` is given. With `chat` (rl/chat.py) the client also has `act`: the
+`encode` / `decode` is given. With `chat` (glmjax/chat.py) the client also has `act`: the
 evaluation matrix (`envs/evaluate.py`) hands it an episode's turns, which it encodes in
 the chat format the model was trained on, and the model's turn ends at a role token.
 Requests from several threads are served together when the driver runs in the background
@@ -22,9 +22,9 @@ from collections.abc import Sequence
 
 import glmjax
 from rl import rollout
-from rl.chat import Turn
-from rl.driver import Driver, Request
-from rl.engine import GlmEngine
+from glmjax.chat import Turn
+from rl.engine.driver import Driver, Request
+from rl.engine.engine import GlmEngine
 
 
 class EngineClient:

@@ -35,7 +35,7 @@ import time
 from collections.abc import Sequence
 
 from rl.compaction import Compaction
-from rl.driver import Request, Result
+from rl.engine.driver import Request, Result
 from rl.rollout import Trajectory
 
 

@@ -202,7 +202,7 @@ class Learner:
     def __init__(self, policy: GlmForCausalLM, critic: ValueModel | None, cfg: Mapping[str, Any], *,
                  external_advantages: bool = False, mesh: jax.sharding.Mesh | None = None):
         """external_advantages: the caller passes `advantages` to every `step` (on-policy
-        distillation, rl/opd.py), so no value model is needed or trained. mesh: the one the
+        distillation, rl/distill/losses.py), so no value model is needed or trained. mesh: the one the
         policy and critic are sharded on; each batch (host arrays, the same in every
         process) becomes global arrays split by rows over its batch axes."""
         if cfg["algorithm"] not in ALGORITHMS:

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from rl import sao
-from rl.driver import Request, Result
+from rl.engine.driver import Request, Result
 
 EnvWork = Callable[[], None]
 

@@ -14,7 +14,7 @@ With `task.augment` ("distractor", "reorder" or both, comma-separated), a fracti
 (envs/augment.py: an irrelevant fact, operands in another order) that keeps the verified
 answer; a copy whose oracle stops scoring is refused and counted. Sandboxed tasks train
 only once their verifier has passed the three checks (oracle
-rewarded, no-op not, unfinished not: `envs/validate.py`); the others are excluded and
+rewarded, no-op not, unfinished not: `envs/harbor/validate.py`); the others are excluded and
 counted by status. Reports are cached in workdir/validation.jsonl, so a resumed run does
 not check again. Held-out tasks come from another seed (`task.seed + 1`).
 """
@@ -29,15 +29,16 @@ import random
 
 from tqdm.auto import tqdm
 
-from envs import augment, families, validate
-from envs.harbor import HarborTask
-from envs.sandbox import Limits
+from envs import augment, families
+from envs.harbor import validate
+from envs.harbor.task import HarborTask
+from envs.sandbox.sandbox import Limits
 from envs.shell import ShellEnv
 from glmjax import distributed
 from rl import rollout as ro
-from rl.chat import ByteChat
+from glmjax.chat import ByteChat
 from rl.compaction import Compaction, Rollout
-from rl.driver import Request, Result
+from rl.engine.driver import Request, Result
 from rl.episode import Episode
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,7 @@ def task_sets(cfg, workdir: str | None = None) -> tuple[list, list, dict]:
         train, refused = _augmented(cfg, train)
         return train, heldout, {"augment_refused": refused} if refused else {}
     if t.get("harbor_dir"):
-        from envs import harbor_dirs
+        from envs.harbor import dirs as harbor_dirs
 
         tasks = harbor_dirs.load_tasks([t.harbor_dir])
         if not tasks:

@@ -48,17 +48,17 @@ from glmjax import distributed, sharding
 from rl import rollout as ro
 from rl import tasks as rl_tasks
 from rl.base_model import build_base
-from rl.chat import ByteChat
+from glmjax.chat import ByteChat
 from rl.checkpoint import LoopCheckpointer
 from rl.collector import Collector, drive
 from rl.compaction import Compaction
-from rl.driver import Driver
-from rl.engine import GlmEngine
+from rl.engine.driver import Driver
+from rl.engine.engine import GlmEngine
 from rl.env_client import EngineClient
 from rl.job_log import JobLog, QuietLog
 from rl.learner import ALGORITHMS, Learner, ValueModel
 from rl.replay import BatchReplay
-from rl.weights import WeightStore
+from rl.engine.weights import WeightStore
 
 log = logging.getLogger(__name__)
 STOP = rl_tasks.STOP
@@ -178,7 +178,7 @@ def check_config(cfg) -> None:
             raise ValueError("an agentic job (sandboxed tasks) needs an `env` section: see configs/sao_agent_tiny.py")
         if cfg.model.vocab_size < ByteChat.vocab_size:
             raise ValueError(f"model.vocab_size={cfg.model.vocab_size} has no room for the chat role tokens: "
-                             f"episodes need >= {ByteChat.vocab_size} (rl/chat.py)")
+                             f"episodes need >= {ByteChat.vocab_size} (glmjax/chat.py)")
         from envs.tool_calls import parser
 
         parser(cfg.env.action_format)
@@ -319,7 +319,7 @@ def engine_mesh(cfg, mesh):
     """The engine's own mesh when `rl.engine_mesh` gives one ("expert=2,tensor=2"), None
     when it decodes on the learner's devices: the devices that follow the learner's (devices
     4-7 after a learner on 0-3), as many as the learner has, so that publishing copies each
-    parameter shard device to device (rl/weights.py)."""
+    parameter shard device to device (rl/engine/weights.py)."""
     if not cfg.rl.get("engine_mesh", ""):
         return None
     learner = mesh.size if mesh is not None else 1

@@ -33,7 +33,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 
-from tests.test_sharding import CONFIG as FOUR_LAYERS  # noqa: E402
+from tests.glmjax.test_sharding import CONFIG as FOUR_LAYERS  # noqa: E402
 
 # a dense layer and an expert layer: the second process compiles without the compile cache
 CONFIG = FOUR_LAYERS.replace(num_hidden_layers=2, index_topk_pattern="FS")

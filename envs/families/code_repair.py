@@ -17,7 +17,7 @@ import json
 import random
 
 from envs.families.pattern import Pattern, Spec, python_tests
-from envs.sandbox import Limits, Sandbox
+from envs.sandbox.sandbox import Limits, Sandbox
 
 TEMPLATES = {
     "clamp": ('''def clamp(value, low, high):

@@ -21,7 +21,7 @@ import json
 import random
 from typing import Any, Callable, Mapping
 
-from envs.harbor import HarborTask
+from envs.harbor.task import HarborTask
 
 TEST_SH = """#!/bin/bash
 # Written from the task's specification, without the reference solution.

@@ -136,7 +136,7 @@ def swiglu_experts(x, experts, weights, gate, up, down):
     """sum_x weights[n, x] * down_e(silu(x_n gate_e) * (x_n up_e)) with e = experts[n, x].
 
     x [N, D]; experts, weights [N, X]; gate, up [E, D, F]; down [E, F, D], in any stored
-    dtype (or anything with `[e]` and `.astype`, such as rl/quant.py's Quantized); the
+    dtype (or anything with `[e]` and `.astype`, such as rl/engine/quant.py's Quantized); the
     products run in x's dtype. Returns [N, D].
     """
     n, k = experts.shape

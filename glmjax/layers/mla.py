@@ -35,7 +35,7 @@ LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default
 
 class Context(NamedTuple):
     """Another layer's cached keys, read and never written: the MTP layer drafting over the
-    main model's last-layer latents (rl/speculative.py, "shared" mode)."""
+    main model's last-layer latents (rl/engine/speculative.py, "shared" mode)."""
 
     cache: LayerCache  # [B, S, ...]: c_kv and k_rope are read
     visible: jax.Array  # [B, T] the last key position each query may see

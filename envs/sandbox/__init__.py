@@ -1,0 +1,12 @@
+"""Isolated command execution for a hostile agent.
+
+    sandbox.py    Sandbox: own uids, quotas, PID / network / IPC / mount namespaces
+    isolation.py  what the sandboxed child does before exec; probe() of what the kernel allows
+    launcher.py   the helper processes that fork sandboxed commands (never the caller)
+    cgroup.py     one cgroup per sandbox: memory cap and CPU quota for all its processes together
+    tree.py       walk, hash, read and remove directory trees of any depth
+"""
+
+from envs.sandbox.sandbox import Limits, RunResult, Sandbox, SandboxError, probe
+
+__all__ = ["Limits", "RunResult", "Sandbox", "SandboxError", "probe"]

@@ -1,0 +1,508 @@
+"""glmjax-serve: JetStream's gRPC protocol (the Orchestrator service of google-jetstream
+0.2.2) in front of the in-process Driver.
+
+    glmjax-serve --checkpoint DIR --host 127.0.0.1 --port 9000 [--slots 8 --max-len 2048]
+    GLMJAX_SERVE_TOKEN=... glmjax-serve --checkpoint DIR --host 0.0.0.0 --metrics-port 9100
+
+`Decode(DecodeRequest) -> stream DecodeResponse`: token-in, token-out. The request's
+`token_content.token_ids` is the prompt, `max_tokens` the budget and `session_cache`, when
+set, the session whose cached prefix a follow-up turn reuses. Each generate step sends
+one `stream_content` with the new token ids (JetStream's own server sends one per token;
+with speculation a step may carry several). `text_content` is refused: the server has no
+tokenizer. Malformed requests (no tokens, too long, ids outside the vocabulary, no
+budget) end with INVALID_ARGUMENT and the server keeps serving; a client that cancels its
+stream frees its slot at the next step. `HealthCheck` answers is_live once the driver runs.
+
+Flags: --checkpoint (HF-format directory), --host, --port, --slots, --max-len,
+--num-draft and --mtp-mode (MTP speculation), --temperature, --top-k, --stop-ids,
+--prefix-cache, --dtype, --mesh, --warmup, --metrics-port, --auth-token, --insecure. With
+`--mesh tensor=2,expert=2` the checkpoint loads sharded onto that many devices and the
+engine decodes on them (experts all-to-all over `expert`, heads and hidden over `tensor`,
+sharding.DECODE_RULES). A bad value
+(a checkpoint directory without config.json or weights, a --max-len past the model's
+positions, a port in use, ...) ends before serving with the usage line and one
+`glmjax-serve: error: ...` naming it, exit status 2.
+
+Access: with a token (--auth-token, or better $GLMJAX_SERVE_TOKEN, which `ps` does not
+show) every Decode must carry the gRPC metadata `authorization: Bearer <token>` (compared
+in constant time); a call without it, or with another token, ends with UNAUTHENTICATED and
+the server keeps serving. HealthCheck stays open, for load balancers and orchestrators that
+probe without credentials; it tells only whether the server is up. Binding a non-loopback
+--host needs a token or an explicit --insecure, else the server refuses to start.
+
+Metrics (--metrics-port; Prometheus text format over HTTP on --host, no token, counts
+only): requests waiting (`glmjax_serve_queue_depth`), slots in use and in all
+(`glmjax_serve_slots_in_use`, `glmjax_serve_slots`), tokens handed to requests
+(`glmjax_serve_generated_tokens_total`, whose rate() is tokens/s, and the recent rate as
+`glmjax_serve_generated_tokens_per_second`), time to first token
+(`glmjax_serve_time_to_first_token_seconds`, a histogram), drafts accepted per request
+per step when speculating (`glmjax_serve_mtp_accepted_drafts`, a histogram over
+0..num_draft) and Decode calls by how they ended (`glmjax_serve_requests_total{status}`:
+ok, invalid_argument, unauthenticated, cancelled (by the client or its deadline), error).
+Each server has its own registry.
+
+Needs the `serve` extra (grpcio, protobuf; prometheus-client for --metrics-port).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import hmac
+import ipaddress
+import itertools
+import json
+import logging
+import math
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent import futures
+from typing import Any
+
+from rl.engine import jetstream_proto
+from rl.engine.driver import Driver, Request
+
+log = logging.getLogger(__name__)
+
+TOKEN_ENV = "GLMJAX_SERVE_TOKEN"
+STATUSES = ("ok", "invalid_argument", "unauthenticated", "cancelled", "error")
+# Time to first token, seconds: a warm prefill takes milliseconds, a first compile tens of seconds.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address, IPv6 with or without brackets) is this machine
+    only. Names other than localhost count as reachable from outside."""
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_access(host: str, token: str | None, insecure: bool) -> None:
+    """Raises ValueError when `host` is reachable from other machines and neither a token
+    nor `insecure` says who may call."""
+    if not is_loopback(host) and not token and not insecure:
+        raise ValueError(f"--host {host} is reachable from other machines: set ${TOKEN_ENV} (or --auth-token) so "
+                         "that clients must send 'authorization: Bearer <token>', or pass --insecure to serve "
+                         "anyone who can connect")
+
+
+class _DriverCollector:
+    """The metrics read from the driver at each scrape (its counters are the record)."""
+
+    def __init__(self, driver: Driver, window: float = 60.0):
+        self.driver, self.window = driver, window
+        # (monotonic seconds, tokens) at the start and at each scrape since
+        self._samples = collections.deque([(time.monotonic(), driver.stats["tokens"])])
+        self._lock = threading.Lock()
+
+    def _rate(self, tokens: int) -> float:
+        """Tokens per second since the newest scrape at least `window` seconds old (before
+        there is one, since the server started)."""
+        now = time.monotonic()
+        with self._lock:
+            self._samples.append((now, tokens))
+            while len(self._samples) > 2 and now - self._samples[1][0] >= self.window:
+                self._samples.popleft()
+            then, before = self._samples[0]
+        return (tokens - before) / (now - then) if now > then else 0.0
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+        d = self.driver
+        yield GaugeMetricFamily("glmjax_serve_queue_depth", "Decode requests waiting for a slot", value=d.queued)
+        yield GaugeMetricFamily("glmjax_serve_slots_in_use", "Slots holding a request", value=d.active)
+        yield GaugeMetricFamily("glmjax_serve_slots", "Slots (concurrent decodes)", value=d.capacity)
+        tokens = d.stats["tokens"]
+        yield CounterMetricFamily("glmjax_serve_generated_tokens", "Tokens handed to requests", value=tokens)
+        yield GaugeMetricFamily("glmjax_serve_generated_tokens_per_second",
+                                "Generated tokens per second since the newest scrape a minute old",
+                                value=self._rate(tokens))
+        if d.engine.num_draft:
+            counts = list(d.acceptance)  # [num_draft + 1]: steps of one request that accepted k drafts
+            buckets = [(str(float(k)), c) for k, c in enumerate(itertools.accumulate(counts))]
+            yield HistogramMetricFamily("glmjax_serve_mtp_accepted_drafts",
+                                        "MTP drafts accepted per request per generate step",
+                                        buckets=buckets + [("+Inf", sum(counts))],
+                                        sum_value=sum(k * c for k, c in enumerate(counts)))
+
+
+class Metrics:
+    """One server's Prometheus metrics (module docstring), in a registry of its own."""
+
+    def __init__(self, driver: Driver):
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = CollectorRegistry()
+        self.requests = Counter("glmjax_serve_requests", "Decode calls by how they ended", ["status"],
+                                registry=self.registry)
+        for status in STATUSES:  # every series exists from the start, at 0
+            self.requests.labels(status=status)
+        self.ttft = Histogram("glmjax_serve_time_to_first_token_seconds",
+                              "Seconds from a Decode call's arrival to its first tokens", buckets=TTFT_BUCKETS,
+                              registry=self.registry)
+        self.registry.register(_DriverCollector(driver))
+
+
+class _Outcome:
+    """How one Decode call ended, counted once: the first status recorded wins."""
+
+    def __init__(self, metrics: Metrics | None):
+        self.metrics, self.status = metrics, None
+        self._lock = threading.Lock()
+
+    def __call__(self, status: str) -> None:
+        with self._lock:
+            if self.status is not None:
+                return
+            self.status = status
+        if self.metrics is not None:
+            self.metrics.requests.labels(status=status).inc()
+
+
+class OrchestratorService:
+    """The servicer: each Decode call becomes a Request on the shared Driver. With a
+    `token`, Decode needs `authorization: Bearer <token>`; HealthCheck never does."""
+
+    def __init__(self, driver: Driver, *, token: str | None = None, metrics: Metrics | None = None,
+                 temperature: float = 0.0, top_k: int = 0, stop_ids: Sequence[int] = ()):
+        self.driver, self.metrics = driver, metrics
+        self.pb = jetstream_proto.load()
+        self._expected = None if token is None else f"Bearer {token}".encode()
+        self.temperature, self.top_k, self.stop_ids = temperature, top_k, tuple(stop_ids)
+
+    def _refusal(self, context) -> str | None:
+        """Why the call's credentials are refused; None when they are not needed or right."""
+        if self._expected is None:
+            return None
+        sent = dict(context.invocation_metadata()).get("authorization")
+        if sent is None:
+            return "no 'authorization' metadata: send 'authorization: Bearer <token>'"
+        if not hmac.compare_digest(sent.encode(), self._expected):
+            return "the 'authorization' metadata does not carry this server's token"
+        return None
+
+    def Decode(self, request, context) -> Iterator:
+        import grpc
+
+        start = time.perf_counter()
+        ended = _Outcome(self.metrics)
+        context.add_callback(lambda: ended("cancelled"))  # the call ended before an outcome: the client left
+        refusal = self._refusal(context)
+        if refusal:
+            ended("unauthenticated")
+            context.abort(grpc.StatusCode.UNAUTHENTICATED, refusal)
+        kind = request.WhichOneof("content")
+        if kind != "token_content":
+            ended("invalid_argument")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"DecodeRequest.{kind or 'content'}: glmjax-serve is token-in/token-out; "
+                          "send token_content.token_ids")
+        try:
+            handle = self.driver.submit(Request(
+                prompt=list(request.token_content.token_ids), max_new_tokens=request.max_tokens,
+                temperature=self.temperature, top_k=self.top_k, stop_ids=self.stop_ids,
+                session_id=request.session_cache or None))
+        except ValueError as err:
+            ended("invalid_argument")
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"DecodeRequest: {err}")
+        context.add_callback(handle.cancel)  # fires when the client goes away (and at the end)
+        sample = self.pb.DecodeResponse.StreamContent.Sample
+        for i, chunk in enumerate(handle.stream()):
+            if i == 0 and self.metrics is not None:
+                self.metrics.ttft.observe(time.perf_counter() - start)
+            yield self.pb.DecodeResponse(stream_content=self.pb.DecodeResponse.StreamContent(
+                samples=[sample(token_ids=chunk)]))
+        result = handle.result()
+        ended({"cancelled": "cancelled", "error": "error"}.get(result.finish_reason, "ok"))
+        if result.finish_reason == "error":
+            context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {result.error}")
+
+    def HealthCheck(self, request, context):
+        return self.pb.HealthCheckResponse(is_live=self.driver.running)
+
+
+def add_service(server, service: OrchestratorService) -> None:
+    import grpc
+
+    pb = service.pb
+    handlers = {
+        "Decode": grpc.unary_stream_rpc_method_handler(
+            service.Decode, request_deserializer=pb.DecodeRequest.FromString,
+            response_serializer=pb.DecodeResponse.SerializeToString),
+        "HealthCheck": grpc.unary_unary_rpc_method_handler(
+            service.HealthCheck, request_deserializer=pb.HealthCheckRequest.FromString,
+            response_serializer=pb.HealthCheckResponse.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(jetstream_proto.SERVICE, handlers),))
+
+
+def _check_bind(host: str, port: int) -> None:
+    """Raises OSError naming host:port and the socket's reason when it cannot be listened on
+    (gRPC itself reports only that binding failed)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as err:
+        raise OSError(f"cannot listen on {host}:{port}: {host} does not resolve ({err.strerror})") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC and http.server bind
+        try:
+            probe.bind(address)
+        except OSError as err:
+            raise OSError(f"cannot listen on {host}:{port}: {err.strerror}") from None
+
+
+@dataclasses.dataclass
+class Server:
+    """A running glmjax-serve: gRPC on `port`, metrics over HTTP on `metrics_port` (None
+    without them)."""
+
+    grpc_server: Any
+    port: int
+    metrics: Metrics | None = None
+    metrics_port: int | None = None
+    _http: Any = None
+
+    def wait(self) -> None:
+        self.grpc_server.wait_for_termination()
+
+    def stop(self, grace: float | None = None) -> None:
+        self.grpc_server.stop(grace)
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+
+
+def start_server(driver: Driver, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None,
+                 insecure: bool = False, metrics_port: int | None = None, max_workers: int = 64,
+                 **sampling) -> Server:
+    """Binds host:port (0 picks a free port) and, with `metrics_port` (0: a free one), the
+    metrics endpoint on the same host, then starts the driver's thread and the server.
+    `token`: what Decode calls must present (module docstring); a non-loopback host needs
+    it or `insecure` (ValueError otherwise). OSError naming the address when one cannot be
+    bound, before anything starts. `sampling`: temperature, top_k, stop_ids for every
+    request."""
+    import grpc
+
+    check_access(host, token, insecure)
+    _check_bind(host, port)
+    if metrics_port:
+        _check_bind(host, metrics_port)
+    metrics = Metrics(driver) if metrics_port is not None else None
+    # Without so_reuseport a second server on a busy port fails instead of sharing its traffic.
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=[("grpc.so_reuseport", 0)])
+    add_service(server, OrchestratorService(driver, token=token, metrics=metrics, **sampling))
+    try:
+        bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError:
+        bound = 0
+    if not bound:
+        raise OSError(f"cannot listen on {host}:{port}")
+    http, bound_metrics = None, None
+    if metrics is not None:
+        from prometheus_client import start_http_server
+
+        try:
+            http, _ = start_http_server(metrics_port, addr=host.strip("[]"), registry=metrics.registry)
+        except OSError as err:
+            server.stop(None)
+            raise OSError(f"cannot serve metrics on {host}:{metrics_port}: {err.strerror or err}") from None
+        bound_metrics = http.server_port
+    driver.start()
+    server.start()
+    return Server(server, bound, metrics, bound_metrics, http)
+
+
+class Client:
+    """A small client for the Orchestrator service (what JetStream's generated stub does).
+    `token`: sent as `authorization: Bearer <token>` with every call."""
+
+    def __init__(self, target: str, token: str | None = None):
+        import grpc
+
+        self.pb = jetstream_proto.load()
+        self.channel = grpc.insecure_channel(target)
+        self._metadata = (("authorization", f"Bearer {token}"),) if token is not None else None
+        self._decode = self.channel.unary_stream(jetstream_proto.DECODE,
+                                                 request_serializer=self.pb.DecodeRequest.SerializeToString,
+                                                 response_deserializer=self.pb.DecodeResponse.FromString)
+        self._health = self.channel.unary_unary(jetstream_proto.HEALTH_CHECK,
+                                                request_serializer=self.pb.HealthCheckRequest.SerializeToString,
+                                                response_deserializer=self.pb.HealthCheckResponse.FromString)
+
+    def decode(self, token_ids: Sequence[int], max_tokens: int, session_id: str | None = None, timeout=None):
+        """The response stream (a grpc call: iterate it, or .cancel() it)."""
+        request = self.pb.DecodeRequest(max_tokens=max_tokens, session_cache=session_id or "",
+                                        token_content=self.pb.DecodeRequest.TokenContent(token_ids=list(token_ids)))
+        return self._decode(request, timeout=timeout, metadata=self._metadata)
+
+    def health(self, timeout: float = 10.0) -> bool:
+        return self._health(self.pb.HealthCheckRequest(), timeout=timeout, metadata=self._metadata).is_live
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+DEFAULT_MAX_LEN = 2048  # tokens per slot, when the checkpoint allows that many
+
+
+def build_driver(args: argparse.Namespace) -> Driver:
+    import glmjax
+    from rl.engine.engine import GlmEngine
+
+    import jax
+
+    from glmjax import sharding
+
+    mesh = None
+    if args.mesh:  # the serving layout: experts over `expert`, heads / hidden / vocabulary over `tensor`
+        mesh = glmjax.make_mesh(**args.mesh, devices=jax.devices()[:math.prod(args.mesh.values())])
+    with sharding.use_rules(sharding.DECODE_RULES):
+        model = glmjax.from_pretrained(args.checkpoint, dtype=args.dtype, mesh=mesh)
+    if args.num_draft and model.mtp is None:
+        log.warning("--num-draft %d is ignored: %s has no MTP layer", args.num_draft, args.checkpoint)
+    engine = GlmEngine(model, max_concurrent_decodes=args.slots, max_len=args.max_len,
+                       num_draft=args.num_draft if model.mtp is not None else 0, mtp_mode=args.mtp_mode, mesh=mesh,
+                       rules=sharding.DECODE_RULES)
+    if args.warmup:
+        engine.warmup()
+    return Driver(engine, prefix_cache_size=args.prefix_cache)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="glmjax-serve", description=__doc__.split("\n\n")[0])
+    p.add_argument("--checkpoint", required=True, help="HF-format directory (config.json + safetensors)")
+    p.add_argument("--host", default="127.0.0.1", help="a non-loopback address needs a token or --insecure")
+    p.add_argument("--port", type=int, default=9000)
+    p.add_argument("--slots", type=int, default=8, help="concurrent decodes")
+    p.add_argument("--max-len", type=int, default=None,
+                   help="tokens per slot: prompt + generated (default 2048, or the checkpoint's "
+                        "max_position_embeddings when smaller)")
+    p.add_argument("--num-draft", type=int, default=0, help="MTP drafts per step (0: plain decoding)")
+    p.add_argument("--mtp-mode", default="own", choices=("own", "shared"))
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--stop-ids", default="", help="comma-separated token ids that end a response")
+    p.add_argument("--prefix-cache", type=int, default=32, help="sessions whose last turn is kept")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--mesh", default="", help="the engine's mesh, e.g. tensor=2,expert=2 (default: one device)")
+    p.add_argument("--warmup", action="store_true", help="compile every prefill shape before serving")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics over HTTP on this port (0: a free one)")
+    p.add_argument("--auth-token", default=None,
+                   help=f"the token Decode calls must send (default ${TOKEN_ENV}, which ps does not show)")
+    p.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without a token")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, checked against the checkpoint's config.json before any weights
+    load; a bad value is `parser.error` (exit status 2). `auth_token` falls back to
+    $GLMJAX_SERVE_TOKEN and `stop_ids` becomes a tuple of ints."""
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    args.auth_token = args.auth_token or os.environ.get(TOKEN_ENV) or None
+    try:
+        _check_args(args)
+    except ValueError as err:
+        parser.error(str(err))
+    return args
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    from glmjax.config import ModelConfig
+
+    path = args.checkpoint
+    if not os.path.isdir(path):
+        raise ValueError(f"--checkpoint {path} {'is not a directory' if os.path.exists(path) else 'does not exist'}")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"--checkpoint {path} has no config.json: expected a Hugging Face-format directory "
+                         "(config.json + *.safetensors), as glmjax.save_pretrained writes")
+    if not any(f.endswith(".safetensors") for f in os.listdir(path)):
+        raise ValueError(f"--checkpoint {path} has no *.safetensors weights")
+    try:
+        config = ModelConfig.from_hf(path)
+    except (OSError, ValueError, TypeError) as err:  # unreadable or invalid JSON, an unsupported model
+        raise ValueError(f"--checkpoint {path}: config.json: {err}") from None
+    if args.max_len is None:
+        args.max_len = min(DEFAULT_MAX_LEN, config.max_position_embeddings)
+    if not 2 <= args.max_len <= config.max_position_embeddings:
+        raise ValueError(f"--max-len {args.max_len} must be in [2, {config.max_position_embeddings}] "
+                         f"(the checkpoint's max_position_embeddings)")
+    for flag, value, low in (("--slots", args.slots, 1), ("--num-draft", args.num_draft, 0),
+                             ("--prefix-cache", args.prefix_cache, 0), ("--temperature", args.temperature, 0)):
+        if value < low:
+            raise ValueError(f"{flag} {value} must be >= {low}")
+    top_k = min(64, config.vocab_size)  # GlmEngine's max_top_k
+    if not 0 <= args.top_k <= top_k:
+        raise ValueError(f"--top-k {args.top_k} must be in [0, {top_k}]")
+    try:
+        args.stop_ids = tuple(int(t) for t in args.stop_ids.split(",") if t.strip())
+    except ValueError:
+        raise ValueError(f"--stop-ids {args.stop_ids!r} must be comma-separated token ids, e.g. 1,2") from None
+    bad = [t for t in args.stop_ids if not 0 <= t < config.vocab_size]
+    if bad:
+        raise ValueError(f"--stop-ids {bad} lie outside the vocabulary [0, {config.vocab_size})")
+    for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+        if port is not None and not 0 <= port <= 65535:
+            raise ValueError(f"{flag} {port} must be in [0, 65535]")
+    args.mesh = _check_mesh(args.mesh)
+    check_access(args.host, args.auth_token, args.insecure)
+
+
+def _check_mesh(text: str) -> dict[str, int]:
+    """--mesh as axis sizes, on no more devices than this process sees."""
+    import jax
+
+    from glmjax import sharding
+
+    try:
+        sizes = sharding.parse_axes(text)
+    except ValueError as err:
+        raise ValueError(f"--mesh: {err}") from None
+    needed, available = math.prod(sizes.values()), len(jax.devices())
+    if needed > available:
+        raise ValueError(f"--mesh {text} needs {needed} devices, {available} are available")
+    return sizes
+
+
+def main(argv=None) -> None:
+    from safetensors import SafetensorError
+
+    from glmjax.hf import CheckpointMismatch
+
+    logging.basicConfig(level=logging.INFO)
+    args = parse_args(argv)
+    try:
+        driver = build_driver(args)
+    except (OSError, json.JSONDecodeError, CheckpointMismatch, SafetensorError) as err:
+        make_parser().error(f"--checkpoint {args.checkpoint}: {err}")
+    try:
+        server = start_server(driver, args.host, args.port, token=args.auth_token, insecure=args.insecure,
+                              metrics_port=args.metrics_port, temperature=args.temperature, top_k=args.top_k,
+                              stop_ids=args.stop_ids)
+    except OSError as err:
+        make_parser().error(str(err))
+    metrics = f", metrics on http://{args.host}:{server.metrics_port}/metrics" if server.metrics else ""
+    log.info("glmjax-serve: %s on %s:%d (%d slots%s%s)", args.checkpoint, args.host, server.port, args.slots,
+             ", token required" if args.auth_token else "", metrics)
+    try:
+        server.wait()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop(grace=1.0)
+        driver.stop()
+
+
+if __name__ == "__main__":
+    main()

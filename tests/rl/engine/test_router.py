@@ -1,0 +1,122 @@
+"""rl/engine/router.py: dispatch when capacity frees, least loaded first, session affinity."""
+
+import glmjax
+from rl.engine.driver import Driver, Handle, Request, Result
+from rl.engine.engine import GlmEngine
+from rl.engine.router import Router
+from tests.engine_util import TINY, greedy_reference, prompts
+
+
+class FakeReplica:
+    """Holds what it is given until the test finishes it."""
+
+    def __init__(self, capacity):
+        self.capacity, self.running = capacity, []
+
+    def submit(self, request, handle=None):
+        handle = handle or Handle(request)
+        self.running.append(handle)
+        return handle
+
+    def finish(self, index=0):
+        handle = self.running.pop(index)
+        handle._finish(Result([7], [0.0], [0], "length", len(handle.request.prompt)))
+        return handle
+
+
+def _req(session=None):
+    return Request([1, 2, 3], 4, session_id=session)
+
+
+def test_least_loaded_first_and_dispatch_when_capacity_frees():
+    small, big = FakeReplica(2), FakeReplica(4)
+    router = Router([small, big])
+    for _ in range(6):
+        router.submit(_req())
+    # by load ratio: small 0/2, big 0/4 -> small; then big (0 < .5), big (.25 < .5), small/big ...
+    assert (len(small.running), len(big.running)) == (2, 4) and router.queued == 0
+    waiting = router.submit(_req())
+    assert router.queued == 1  # every slot is taken: it waits in the router, not in a replica
+    big.finish()
+    assert router.queued == 0 and waiting in big.running  # dispatched the moment a slot freed
+    assert router.in_flight == [2, 4]
+
+
+def test_longest_budget_order_dispatches_the_largest_budget_first():
+    replica = FakeReplica(1)
+    router = Router([replica], order="longest_budget")
+    router.submit(Request([1], 2))  # takes the only slot
+    for n in (3, 9, 5, 9):
+        router.submit(Request([n], n))
+    order = []
+    while replica.running:
+        order.append(replica.finish().request.max_new_tokens)
+    assert order == [2, 9, 9, 5, 3]  # equal budgets keep their arrival order
+    replica = FakeReplica(1)
+    fifo = Router([replica])
+    for n in (2, 3, 9, 5):
+        fifo.submit(Request([n], n))
+    assert [replica.finish().request.max_new_tokens for _ in range(4)] == [2, 3, 9, 5]
+
+
+def test_least_loaded_prefers_the_emptier_replica():
+    a, b = FakeReplica(4), FakeReplica(4)
+    router = Router([a, b])
+    for _ in range(3):
+        router.submit(_req())
+    assert (len(a.running), len(b.running)) == (2, 1)
+    a.finish()
+    a.finish()
+    router.submit(_req())
+    assert (len(a.running), len(b.running)) == (1, 1)
+
+
+def test_session_affinity_returns_to_the_replica_with_the_prefix():
+    a, b = FakeReplica(2), FakeReplica(2)
+    router = Router([a, b])
+    first = router.submit(_req("s"))
+    assert first in a.running
+    a.finish()
+    router.submit(_req())  # a and b tie: a
+    turn2 = router.submit(_req("s"))
+    assert turn2 in a.running  # b is emptier, but the session goes home
+    blocked = router.submit(_req("s"))
+    assert router.queued == 1  # its replica is full: it waits rather than recompute its prefix on b
+    other = router.submit(_req())
+    assert other in b.running and router.queued == 1  # the request behind it is not held up
+    a.finish()
+    assert blocked in a.running and router.queued == 0
+
+
+def test_cancel_while_queued_in_the_router():
+    a = FakeReplica(1)
+    router = Router([a])
+    router.submit(_req())
+    queued = router.submit(_req())
+    queued.cancel()
+    assert queued.result(timeout=0).finish_reason == "cancelled" and router.queued == 0
+    a.finish()
+    assert a.running == []
+
+
+def test_router_over_two_in_process_engines():
+    """Two Driver threads behind one router: greedy outputs are right, work is spread, and
+    a session's second turn lands on its first replica and reuses its prefix there."""
+    model = glmjax.init_model(TINY, seed=0)
+    drivers = [Driver(GlmEngine(model, max_concurrent_decodes=2, max_len=64, prefill_buckets=(8, 16))).start()
+               for _ in range(2)]
+    try:
+        router = Router(drivers)
+        ps = prompts([7] * 5, seed=12)
+        handles = [router.submit(Request(p, 6, session_id=f"s{i}")) for i, p in enumerate(ps)]
+        results = [h.result(timeout=300) for h in handles]
+        ref = [greedy_reference(model, p, 6) for p in ps]
+        assert [r.tokens for r in results] == ref
+        assert all(n > 0 for n in router.dispatched)
+        home = router._sessions["s3"]
+        follow = router.submit(Request(ps[3] + results[3].tokens + [5, 6], 4, session_id="s3"))
+        assert follow.result(timeout=300).reused_tokens == 7 + 6 - 1
+        assert router._sessions["s3"] == home and drivers[home].stats["reused_tokens"] == 12
+    finally:
+        for d in drivers:
+            d.stop()
