@@ -15,7 +15,7 @@ next-token distribution (the vocabulary is 256 bytes, so the full KL is cheap; b
 the forward direction: the strings student starts near 0%, where the reverse KL's
 gradient on the teacher's tokens vanishes). The teachers are orbax checkpoints in the
 workdir; only the active one is on the device, the next one is prefetched while the
-student samples. rl/opd_trainer.py is the job.
+student samples. rl/distill/trainer.py is the job.
 """
 
 import os

@@ -16,7 +16,7 @@ The base model is the tiny model fine-tuned on oracle episodes (the demonstratio
 commands with the observations they really print; the observations are not in the
 loss), so that it solves some held-out tasks but not most; SAO then trains it on its own
 episodes, one per prompt, with the verifier's reward at the end. Role tokens (system,
-user, assistant, observation) are ids above the 256 bytes (rl/chat.py).
+user, assistant, observation) are ids above the 256 bytes (glmjax/chat.py).
 """
 
 import os
@@ -24,7 +24,7 @@ import os
 import ml_collections
 
 from glmjax.presets import load_config
-from rl.chat import ByteChat
+from glmjax.chat import ByteChat
 
 
 def get_config(arg=None):
