@@ -13,7 +13,11 @@ outlives `env_timeout` seconds is abandoned ("env_timeout"), one the engine fail
 ("error") or that finished more than `tau` versions behind ("stale") too; `dropped`
 counts each cause, and the loop goes on. A group (`group_size` rollouts of one prompt,
 GRPO) goes to the learner once all its members are finished; its kept members train.
-Batches are formed in admission order, not finishing order, so a resumed run replays.
+With `dynamic_sampling` (DAPO, `sao.dapo_keep_group`) a complete group whose kept
+members' rewards are all equal has no advantage and is dropped too ("uniform_group"):
+admission counts its rollouts as dropped, so further prompts start until the batch is
+full of groups that carry a gradient. Batches are formed in admission order, not
+finishing order, so a resumed run replays.
 
 In a job of several processes each runs its own collector and engine (`shard=(index,
 count)`): its tasks are every count-th of the job's stream, and its rollout ids those
@@ -29,6 +33,7 @@ import logging
 import time
 
 from rl import rollout as ro
+from rl import sao
 from rl.engine.driver import Driver, Handle, Request
 
 log = logging.getLogger(__name__)
@@ -46,12 +51,17 @@ def _stamped(work, ended: list):
 class Collector:
     def __init__(self, driver: Driver, admission: ro.Admission, make_rollout, tasks, *, group_size: int = 1,
                  tau: int = 4, workers: int = 4, env_timeout: float = 600.0, score=None,
-                 shard: tuple[int, int] = (0, 1)):
+                 shard: tuple[int, int] = (0, 1), dynamic_sampling: bool = False):
         """`make_rollout(task, rollout_id)` -> a `rl.rollout.Rollout`; `tasks`: an iterator of
         tasks (this process's share of them with `shard`); `score(task, rollout)` -> the
-        reward the learner sees (default: the rollout's); shard: (this process, processes)."""
+        reward the learner sees (default: the rollout's); shard: (this process, processes);
+        dynamic_sampling: drop groups whose scored rewards are all equal (DAPO)."""
+        if dynamic_sampling and group_size < 2:
+            raise ValueError(f"dynamic sampling drops groups whose rewards are all equal: expected group_size >= 2, "
+                             f"got {group_size} (a group of one never varies)")
         self.driver, self.admission, self.make_rollout, self.tasks = driver, admission, make_rollout, tasks
         self.group, self.tau, self.env_timeout = group_size, tau, env_timeout
+        self.dynamic_sampling = dynamic_sampling
         self.shard = shard
         self.score = score or (lambda task, r: r.reward)
         self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="glmjax-env")
@@ -162,7 +172,10 @@ class Collector:
         members.append(segments)
         if len(members) == self.group:
             kept = sorted((m for m in members if m is not None), key=lambda m: m[0].rollout_id)
-            if kept:
+            if kept and self.dynamic_sampling and not sao.dapo_keep_group([m[0].reward for m in kept]):
+                self.dropped["uniform_group"] += len(kept)
+                self.admission.rejected(len(kept))  # its members finished as accepted: their budget is free again
+            elif kept:
                 self._ready.append(kept)
             del self._groups[rid // self.group]
 

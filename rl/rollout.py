@@ -120,7 +120,7 @@ class Admission:
             raise ValueError(f"rl.eta={eta} is invalid: expected >= 0 (0 = synchronous)")
         self.batch_size, self.eta, self.max_concurrent = batch_size, eta, max_concurrent
         self.accepted = 0  # finished rollouts kept for training (whether trained on yet or not)
-        self.dropped = 0  # finished rollouts not kept (stale, crashed)
+        self.dropped = 0  # finished rollouts not kept (stale, crashed, in a uniform group)
         self.running = 0
 
     @property
@@ -140,6 +140,15 @@ class Admission:
         self.running -= 1
         self.accepted += int(accepted)
         self.dropped += int(not accepted)
+
+    def rejected(self, n: int) -> None:
+        """`n` finished rollouts counted as accepted are not kept after all (a group that
+        DAPO's dynamic sampling drops once its last member ends): they count as dropped, so
+        their budget goes to new rollouts and `issued` stays the same."""
+        if not 0 <= n <= self.accepted:
+            raise ValueError(f"cannot reject {n} rollouts: expected 0 to the {self.accepted} accepted")
+        self.accepted -= n
+        self.dropped += n
 
     def state_dict(self) -> dict:
         return {"accepted": self.accepted, "dropped": self.dropped}

@@ -36,6 +36,7 @@ A row is one trajectory, or one segment of a compacted one; rows of a rollout sh
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -351,21 +352,38 @@ def dapo_loss(logp: jax.Array, logp_old: jax.Array, advantages: jax.Array, actio
     return _mean(surrogate, m), {"clip_fraction": _mean(clipped, m), "ratio_mean": _mean(sg(ratio), m)}
 
 
-def dapo_keep_groups(rewards: jax.Array, group_ids: jax.Array, *, threshold: float = 0.0) -> jax.Array:
-    """DAPO's dynamic sampling: keep [B] bool for rows whose group has 0 < #correct < G,
-    correct meaning reward > threshold (all-right and all-wrong groups give GRPO zero
-    advantage, hence no gradient)."""
-    same = group_ids[:, None] == group_ids[None, :]  # [B, B]
-    correct = jnp.einsum("BC,C->B", same.astype(jnp.int32), (rewards > threshold).astype(jnp.int32))
-    return (correct > 0) & (correct < same.sum(1))
+def dapo_keep_group(rewards: Sequence[float]) -> bool:
+    """DAPO's dynamic sampling (arXiv 2503.14476): whether one prompt's group carries a
+    gradient. The paper samples until every group satisfies
+
+        0 < |{o_i : is_equivalent(a, o_i)}| < G
+
+    i.e. drops all-right and all-wrong groups, whose GRPO advantages (R_i - mean) / std are
+    all 0. Here the test is that the group's scored rewards are not all equal, which is the
+    same for 0/1 rewards and also keeps a group whose members a shaped reward (the overlong
+    penalty below) tells apart. An empty group, or one of a single member, is not kept."""
+    return len(rewards) > 1 and min(rewards) < max(rewards)
 
 
-def dapo_overlong_penalty(lengths: jax.Array, max_length: int, cache_length: int) -> jax.Array:
-    """DAPO's soft overlong punishment [B], added to the reward: 0 up to max_length -
-    cache_length generated tokens, then linear down to -1 at max_length, -1 beyond."""
+def dapo_overlong_penalty(length: int, max_length: int, cache_length: int) -> float:
+    """DAPO's soft overlong punishment (arXiv 2503.14476), added to a response's reward;
+    |y| = length generated tokens, L_max = max_length (the generation budget), L_cache =
+    cache_length (the buffer before it):
+
+        R_length(y) = 0                                    if |y| <= L_max - L_cache
+                      ((L_max - L_cache) - |y|) / L_cache  if L_max - L_cache < |y| <= L_max
+                      -1                                   if L_max < |y|
+
+    cache_length 0 leaves only the last case (no penalty within the budget)."""
+    if not 0 <= cache_length <= max_length:
+        raise ValueError(f"cache_length={cache_length} is invalid: expected 0 <= cache_length <= "
+                         f"max_length={max_length}")
     soft = max_length - cache_length
-    excess = (lengths.astype(jnp.float32) - soft) / max(cache_length, 1)
-    return jnp.where(lengths > max_length, -1.0, -jnp.clip(excess, 0.0, 1.0))
+    if length <= soft:
+        return 0.0
+    if length <= max_length:
+        return (soft - length) / cache_length
+    return -1.0
 
 
 def gspo_loss(logp: jax.Array, logp_old: jax.Array, advantages: jax.Array, action_mask: jax.Array, *,

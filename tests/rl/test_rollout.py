@@ -55,6 +55,18 @@ def test_rollout_ids_stay_unique_when_samples_are_dropped():
     assert (b.accepted, b.dropped, b.issued) == (2, 2, 4)
 
 
+def test_rejected_rollouts_free_their_budget_and_keep_their_ids():
+    a = ro.Admission(batch_size=8, eta=0, max_concurrent=8)
+    a.started(8)
+    for _ in range(8):
+        a.finished(True)
+    assert a.capacity(0) == 0 and a.issued == 8
+    a.rejected(4)  # a group of four that dynamic sampling drops once complete
+    assert (a.accepted, a.dropped, a.issued, a.capacity(0)) == (4, 4, 8, 4)
+    with pytest.raises(ValueError, match="cannot reject 5 rollouts"):
+        a.rejected(5)
+
+
 def test_trajectory_staleness_is_from_its_oldest_token():
     tr = ro.Trajectory([1, 2], [3, 4, 5], [-0.1, -0.2, -0.3], [3, 4, 4], 1.0, rollout_id=0)
     assert tr.staleness(6) == 3 and tr.length == 5

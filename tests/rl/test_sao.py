@@ -270,11 +270,27 @@ def test_dapo_loss_token_level_clip_higher():
     np.testing.assert_allclose(loss, np.sum(s) / 5, rtol=1e-5)
 
 
-def test_dapo_keep_groups_and_overlong_penalty():
-    keep = sao.dapo_keep_groups(jnp.array([1, 0, 1, 1, 0, 0, 1.0]), jnp.array([0, 0, 1, 1, 2, 2, 3]))
-    np.testing.assert_array_equal(keep, [True, True, False, False, False, False, False])
-    pen = sao.dapo_overlong_penalty(jnp.array([10, 80, 90, 100, 101]), max_length=100, cache_length=20)
-    np.testing.assert_allclose(pen, [0, 0, -0.5, -1, -1], atol=1e-6)
+def test_dapo_keep_group_keeps_groups_whose_rewards_differ():
+    assert sao.dapo_keep_group([1.0, 0.0, 1.0, 1.0]) and sao.dapo_keep_group([1.0, 1.0, 0.5])
+    assert not sao.dapo_keep_group([1.0] * 4) and not sao.dapo_keep_group([0.0] * 4)  # all right, all wrong
+    assert not sao.dapo_keep_group([0.7]) and not sao.dapo_keep_group([])
+
+
+@pytest.mark.parametrize("length, expected", [
+    (0, 0.0), (10, 0.0), (80, 0.0),  # |y| <= L_max - L_cache = 80: no penalty
+    (81, -0.05), (90, -0.5), (99, -0.95), (100, -1.0),  # (80 - |y|) / 20 up to L_max = 100
+    (101, -1.0), (500, -1.0)])  # beyond the budget
+def test_dapo_overlong_penalty_in_its_three_regions(length, expected):
+    assert sao.dapo_overlong_penalty(length, max_length=100, cache_length=20) == pytest.approx(expected, abs=1e-12)
+
+
+def test_dapo_overlong_penalty_edge_buffers_and_bad_buffer():
+    assert [sao.dapo_overlong_penalty(n, 8, 0) for n in (7, 8, 9)] == [0.0, 0.0, -1.0]  # no buffer: a hard cut
+    assert [sao.dapo_overlong_penalty(n, 4, 4) for n in (0, 1, 4, 5)] == [0.0, -0.25, -1.0, -1.0]  # all buffer
+    with pytest.raises(ValueError, match="cache_length=21 is invalid"):
+        sao.dapo_overlong_penalty(10, max_length=20, cache_length=21)
+    with pytest.raises(ValueError, match="cache_length=-1 is invalid"):
+        sao.dapo_overlong_penalty(10, max_length=20, cache_length=-1)
 
 
 def test_gspo_loss_sequence_ratio():
