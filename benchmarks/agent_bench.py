@@ -46,8 +46,8 @@ import glmjax  # noqa: E402
 from envs import families  # noqa: E402
 from envs.shell import ShellEnv  # noqa: E402
 from glmjax import presets  # noqa: E402
-from glmjax.presets import load_config  # noqa: E402
 from glmjax.chat import ByteChat  # noqa: E402
+from glmjax.presets import load_config  # noqa: E402
 from rl.cli import use_compile_cache  # noqa: E402
 from rl.collector import drive  # noqa: E402
 from rl.engine.driver import Driver, Request  # noqa: E402

@@ -26,6 +26,7 @@ to find.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -41,15 +42,16 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from glmjax.presets import load_config  # noqa: E402
+from rl import base_model  # noqa: E402
 from rl import rollout as ro  # noqa: E402
 from rl import tasks as rl_tasks  # noqa: E402
-from rl import base_model  # noqa: E402
+from rl.config import JobConfig  # noqa: E402
 from rl.cli import use_compile_cache  # noqa: E402
 from rl.collector import drive  # noqa: E402
 from rl.engine.driver import Driver  # noqa: E402
 from rl.engine.engine import GlmEngine  # noqa: E402
-from rl.learner import Learner, ValueModel  # noqa: E402
 from rl.engine.weights import WeightStore  # noqa: E402
+from rl.learner import Learner, ValueModel  # noqa: E402
 
 
 def _sample(engine, cfg, tasks, first_id: int):
@@ -113,7 +115,7 @@ def linear_probe_ev(model, fit_batch, test_batch) -> float:
 def train_critic(base, cfg, fit, test_batch, lr: float, steps: int, seed: int) -> dict:
     """The job's learner with the actor held back (critic warm-up throughout): only its
     critic phase runs, as in the job's first `rl.critic_warmup` steps."""
-    learner = Learner(nnx.clone(base), ValueModel(nnx.clone(base)), dict(cfg.rl, critic_lr=lr, critic_warmup=10 ** 9))
+    learner = Learner(nnx.clone(base), ValueModel(nnx.clone(base)), dataclasses.replace(cfg.rl, critic_lr=lr, critic_warmup=10 ** 9))
     rng = np.random.default_rng(seed)
     curve, start = [], time.time()
     for step in range(steps):
@@ -134,7 +136,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     use_compile_cache()
-    cfg = load_config(args.config)
+    cfg = JobConfig.from_config(load_config(args.config))
     workdir = args.workdir or tempfile.mkdtemp(prefix="glmjax-critic-")
     train, _, _ = rl_tasks.task_sets(cfg, workdir)
     n_test = args.rollouts // 4

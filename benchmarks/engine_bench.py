@@ -69,12 +69,13 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import floor  # noqa: E402
+
 import glmjax  # noqa: E402
 from glmjax import presets, train  # noqa: E402
+from rl.engine import quant  # noqa: E402
 from rl.engine.driver import Driver, Request  # noqa: E402
 from rl.engine.engine import GlmEngine  # noqa: E402
 from rl.engine.router import Router  # noqa: E402
-from rl.engine import quant  # noqa: E402
 from rl.engine.weights import WeightStore  # noqa: E402
 
 PROMPT_LEN = 64
@@ -240,9 +241,13 @@ def bench_mtp_main_job(args, results: dict) -> None:
     RL temperature: accepted drafts per step and tokens/s against the same engine without
     drafts, with every prompt in flight at once as the job serves them, and at batch 1
     (--mtp-prompts of them, one at a time)."""
-    from rl import base_model, rollout as ro, tasks as rl_tasks
+    from rl import base_model
+    from rl import rollout as ro
+    from rl import tasks as rl_tasks
 
-    cfg = presets.load_config(REPO / "configs" / "sao_tiny.py")
+    from rl.config import JobConfig
+
+    cfg = JobConfig.from_config(presets.load_config(REPO / "configs" / "sao_tiny.py"))
     with tempfile.TemporaryDirectory() as tmp:
         model = base_model.build_base(cfg, tmp)
         _, heldout, _ = rl_tasks.task_sets(cfg, tmp)

@@ -39,9 +39,9 @@ sys.path.insert(0, os.environ.get("GLMJAX_BENCH_REPO", str(REPO)))  # whose envs
 
 from envs import families  # noqa: E402
 from envs.harbor.task import HarborTask  # noqa: E402
+from envs.harbor.validate import validate  # noqa: E402
 from envs.sandbox.sandbox import probe  # noqa: E402
 from envs.shell import ShellEnv  # noqa: E402
-from envs.harbor.validate import validate  # noqa: E402
 
 _TASK = HarborTask(id="bench", instruction="Print hello.\n", domain="terminal", solution="echo hello\n",
                    tests={"test.sh": "exit 0\n"}, agent_timeout=3600.0)

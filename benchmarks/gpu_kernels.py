@@ -19,8 +19,8 @@ import argparse
 import dataclasses
 import json
 import pathlib
-import sys
 import statistics
+import sys
 import time
 from collections.abc import Callable
 

@@ -29,6 +29,7 @@ transformers. --profile DIR writes a JAX profiler trace of one run of each glmja
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import pathlib
@@ -47,8 +48,10 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import floor  # noqa: E402
+
 import glmjax  # noqa: E402
 from glmjax import presets  # noqa: E402
+from rl.config import JobConfig  # noqa: E402
 from rl.engine.driver import Driver, Request  # noqa: E402
 from rl.engine.engine import GlmEngine  # noqa: E402
 from rl.learner import Learner, ValueModel  # noqa: E402
@@ -106,7 +109,7 @@ def _learner_arm(rng) -> tuple[dict, glmjax.ModelConfig, tuple[int, int]]:
     config = presets.model_config_from(cfg)
     policy = glmjax.init_model(config, seed=0)
     critic = ValueModel(glmjax.init_model(config, seed=1))
-    learner = Learner(policy, critic, dict(cfg.rl.to_dict(), critic_warmup=0))
+    learner = Learner(policy, critic, dataclasses.replace(JobConfig.from_config(cfg).rl, critic_warmup=0))
     rows, length = cfg.rl.batch_size, cfg.task.max_len
     prompt = 18
     tokens = rng.integers(2, config.vocab_size, (rows, length)).astype(np.int32)

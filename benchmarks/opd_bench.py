@@ -25,8 +25,8 @@ import argparse
 import json
 import os
 import pathlib
-import sys
 import statistics
+import sys
 import tempfile
 import time
 

@@ -44,10 +44,11 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from glmjax.presets import load_config  # noqa: E402
-from rl import rollout as ro  # noqa: E402
 from rl import base_model, trainer  # noqa: E402
+from rl import rollout as ro  # noqa: E402
+from rl.config import JobConfig  # noqa: E402
 from rl.cli import use_compile_cache  # noqa: E402
-from rl.compaction import Rollout  # noqa: E402
+from rl.compaction import Answer  # noqa: E402
 
 CONFIG = str(REPO / "configs" / "sao_tiny.py")
 
@@ -76,7 +77,7 @@ def throughput_arm(workdir, base, eta, batch, args) -> dict:
         if rid not in lengths:
             room = args.max_len - 1 - len(prompt)
             lengths[rid] = int(np.clip(round(rng.lognormal(np.log(args.median_len), args.sigma)), 1, room))
-        inner = Rollout(prompt, lengths[rid], temperature=cfg.rl.temperature, seed=rid)  # no stop: the drawn length
+        inner = Answer(prompt, lengths[rid], temperature=cfg.rl.temperature, seed=rid)  # no stop: the drawn length
         return ro.TextRollout(task, inner)
 
     wd = _fresh(pathlib.Path(workdir), base)
@@ -129,7 +130,7 @@ def main(argv=None):
     root = pathlib.Path(args.workdir)
     base = root / "base-model"
     if not (base / "base" / "config.json").exists():  # the SFT base, once
-        cfg = load_config(CONFIG, ["--config.rl.steps=0"])
+        cfg = JobConfig.from_config(load_config(CONFIG, ["--config.rl.steps=0"]))
         base_model.build_base(cfg, str(base))
     t0, load0 = time.time(), os.getloadavg()[0]
     results = {"config": "configs/sao_tiny.py", "load_average_start": load0}

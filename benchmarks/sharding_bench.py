@@ -62,10 +62,11 @@ sys.path.insert(0, str(REPO))
 import glmjax  # noqa: E402
 from glmjax import presets, sharding  # noqa: E402
 from rl import sao  # noqa: E402
+from rl.config import RLConfig  # noqa: E402
 from rl.engine.driver import Driver, Request  # noqa: E402
 from rl.engine.engine import GlmEngine  # noqa: E402
-from rl.learner import Learner, ValueModel  # noqa: E402
 from rl.engine.weights import WeightStore  # noqa: E402
+from rl.learner import Learner, ValueModel  # noqa: E402
 
 MESHES = {
     "data8": dict(data=8),
@@ -87,8 +88,8 @@ RL_MESHES = {
     "fsdp4_engine_expert2-tensor2_disjoint": (dict(fsdp=4), "decode", dict(expert=2, tensor=2)),
 }
 RL_BATCH, RL_PROMPT, RL_NEW = 16, 16, 16
-RL_CFG = dict(algorithm="sao", eps_low=0.2, eps_high=4.0, alpha=1.5, gamma=1.0, actor_lr=1e-4, critic_lr=1e-3,
-              critic_steps=2, critic_warmup=0, grad_clip=1.0, temperature=1.0)
+RL_CFG = RLConfig(algorithm="sao", eps_low=0.2, eps_high=4.0, alpha=1.5, gamma=1.0, actor_lr=1e-4, critic_lr=1e-3,
+                  critic_steps=2, critic_warmup=0, grad_clip=1.0, temperature=1.0)
 PUBLISH_CONFIGS = ("tiny", "small")
 PUBLISH_REPEATS = 10
 

@@ -23,8 +23,8 @@ import os
 
 import ml_collections
 
-from glmjax.presets import load_config
 from glmjax.chat import ByteChat
+from glmjax.presets import load_config
 
 
 def get_config(arg=None):

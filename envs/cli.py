@@ -28,11 +28,11 @@ import sys
 import threading
 
 from envs import evaluate, families, models
-from envs.harbor import task as harbor
-from envs.harbor import dirs as harbor_dirs
-from envs.sandbox import sandbox
-from envs.harbor import validate
 from envs.generate import generate
+from envs.harbor import dirs as harbor_dirs
+from envs.harbor import task as harbor
+from envs.harbor import validate
+from envs.sandbox import sandbox
 from envs.shell import ShellEnv
 
 

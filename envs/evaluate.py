@@ -29,9 +29,9 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 from envs import families
-from envs.sandbox import tree
 from envs.base import TextTask, is_full, parse_action
 from envs.models import ModelClient, ModelError
+from envs.sandbox import tree
 from envs.sandbox.sandbox import Limits
 from envs.shell import ShellEnv
 

@@ -35,11 +35,11 @@ from concurrent.futures import ThreadPoolExecutor
 from envs import families
 from envs.base import TextTask
 from envs.families.pattern import Pattern, Spec, python_tests
-from envs.harbor.task import HarborTask, UnsupportedTask, prepare, run_script
 from envs.harbor.dirs import export_task, load_task
+from envs.harbor.task import HarborTask, UnsupportedTask, prepare, run_script
+from envs.harbor.validate import validate
 from envs.models import ModelClient
 from envs.sandbox.sandbox import Limits, Sandbox
-from envs.harbor.validate import validate
 
 _DRAWS = 8  # a pattern may reject a draw (code repair: a mutant with no failing test)
 _BLOCK = re.compile(r"```(\w*)\n(.*?)```", re.DOTALL)

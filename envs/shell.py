@@ -32,7 +32,16 @@ from typing import Callable
 
 from envs import tool_calls
 from envs.base import ACTION_HELP, Step, Transcript, Turn
-from envs.harbor.task import HarborTask, Verdict, prepare, run_tests, stops_after, task_env, task_limits, trial_reward
+from envs.harbor.task import (
+    HarborTask,
+    Verdict,
+    prepare,
+    run_tests,
+    stops_after,
+    task_env,
+    task_limits,
+    trial_reward,
+)
 from envs.sandbox.sandbox import Limits, Sandbox, SandboxError
 
 

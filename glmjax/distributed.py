@@ -12,6 +12,7 @@ be omitted: jax.distributed detects them. On CPUs, collectives go through gloo.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import pickle
 
@@ -74,6 +75,37 @@ def distributed_section(coordinator: str = "", num_processes: int = 1, process_i
                                           process_id=process_id))
 
 
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    """`config.distributed`: the processes of a multi-process run (one by default; -1 lets
+    jax.distributed detect them on TPU pods and SLURM)."""
+
+    coordinator: str = ""
+    num_processes: int = 1
+    process_id: int = 0
+
+    def __post_init__(self):
+        if self.num_processes == 0 or self.num_processes < -1:
+            raise ValueError(f"distributed.num_processes={self.num_processes} is invalid: expected >= 1, or -1 "
+                             "(detected)")
+        if self.num_processes > 0 and not 0 <= self.process_id < self.num_processes:
+            raise ValueError(f"distributed.process_id={self.process_id} is invalid: expected 0.."
+                             f"{self.num_processes - 1}")
+
+    @classmethod
+    def of(cls, cfg) -> DistributedConfig:
+        """A job config's `distributed` section (the defaults without one)."""
+        section = cfg["distributed"] if "distributed" in cfg else None
+        if section is None:
+            return cls()
+        values = dict(section)
+        unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"config.distributed has unknown field(s) {unknown}; valid fields: coordinator, "
+                             "num_processes, process_id")
+        return cls(**values)
+
+
 def job_rules(cfg):
     """The rules of a job config: DEFAULT_RULES with `config.rules`' values."""
     from glmjax import sharding
@@ -111,7 +143,7 @@ def check_job(cfg) -> None:
     if bad:
         raise ValueError(f"config {', '.join(bad)}: mesh sizes must be >= 1")
     needed = mesh_devices(cfg)
-    if (cfg.get("distributed") or {}).get("num_processes", 1) == 1 and needed > len(jax.devices()):
+    if DistributedConfig.of(cfg).num_processes == 1 and needed > len(jax.devices()):
         shown = ",".join(f"{a}={n}" for a, n in sizes.items() if n > 1)
         raise ValueError(f"config.mesh ({shown}) needs {needed} devices; {len(jax.devices())} are available")
 
@@ -123,11 +155,10 @@ def job_mesh(cfg):
     (one device, no sharding)."""
     from glmjax import sharding
 
-    d = cfg.get("distributed") or {}
-    if d.get("num_processes", 1) != 1 and not jax.distributed.is_initialized():
-        n = d["num_processes"]
-        initialize(d.get("coordinator") or None, None if n < 0 else n,
-                   None if n < 0 else d.get("process_id", 0))
+    d = DistributedConfig.of(cfg)
+    if d.num_processes != 1 and not jax.distributed.is_initialized():
+        n = d.num_processes
+        initialize(d.coordinator or None, None if n < 0 else n, None if n < 0 else d.process_id)
     rules = job_rules(cfg)
     sizes = _sizes(cfg)
     needed = mesh_devices(cfg)

@@ -17,6 +17,7 @@ the bubble these costs produce.
 from __future__ import annotations
 
 import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -26,7 +26,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels import reference
-from pallas_kernels._backend import blocks_to, call, mm_nt, pad_axis, pow2, resolve, round_up
+from pallas_kernels._backend import (
+    blocks_to,
+    call,
+    mm_nt,
+    pad_axis,
+    pow2,
+    resolve,
+    round_up,
+)
 
 FP8_BLOCK = 128
 

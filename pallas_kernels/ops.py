@@ -15,7 +15,9 @@ _XLA = {
 
 
 def _pallas_ops():
-    from pallas_kernels import pallas_ops  # imported lazily: Pallas is only needed when asked for
+    from pallas_kernels import (
+        pallas_ops,  # imported lazily: Pallas is only needed when asked for
+    )
 
     return pallas_ops.OPS
 

@@ -25,7 +25,17 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from pallas_kernels._backend import NEG, call, mm, mm_nt, mm_tn, pad_axis, pow2, resolve, round_up
+from pallas_kernels._backend import (
+    NEG,
+    call,
+    mm,
+    mm_nt,
+    mm_tn,
+    pad_axis,
+    pow2,
+    resolve,
+    round_up,
+)
 
 
 def _gathered(idx_ref, pos, j, block_p: int):

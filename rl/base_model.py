@@ -24,13 +24,14 @@ from tqdm.auto import tqdm
 
 import glmjax
 from envs import families
-from glmjax import distributed, presets
+from glmjax import distributed
 from glmjax import train as lm_train
+from glmjax.chat import ByteChat
 from rl import rollout as ro
 from rl import tasks as rl_tasks
-from glmjax.chat import ByteChat
 from rl.checkpoint import set_aside
 from rl.compaction import Compaction, oracle_segments
+from rl.config import BaseConfig
 
 log = logging.getLogger(__name__)
 
@@ -90,10 +91,9 @@ def build_base(cfg, workdir: str, demo_tasks=(), mesh=None) -> glmjax.GlmForCaus
             aside = set_aside(path) if distributed.is_main() else path + ".corrupt"
             log.warning("the cached base model in %s does not read (%s: %s); it is moved to %s and trained again",
                         path, type(err).__name__, " ".join(str(err).split())[:300], aside)
-    model_cfg = presets.model_config_from(cfg)
-    model = glmjax.init_model(model_cfg, seed=cfg.base.seed, mesh=mesh)
+    model = glmjax.init_model(cfg.model, seed=cfg.base.seed, mesh=mesh)
     if rl_tasks.agentic(cfg):
-        if cfg.task.get("harbor_dir"):  # a directory's tasks are what there is to demonstrate
+        if cfg.task.harbor_dir:  # a directory's tasks are what there is to demonstrate
             demo_tasks = list(demo_tasks)[:cfg.base.demonstrations]
         else:
             demo_tasks = families.make_tasks(cfg.task.family, cfg.base.demonstrations, seed=cfg.base.seed,
@@ -108,15 +108,15 @@ def build_base(cfg, workdir: str, demo_tasks=(), mesh=None) -> glmjax.GlmForCaus
     return model
 
 
-def supervised(model: glmjax.GlmForCausalLM, ids, mask, sft, desc: str = "SFT", mesh=None) -> glmjax.GlmForCausalLM:
+def supervised(model: glmjax.GlmForCausalLM, ids, mask, sft: BaseConfig, desc: str = "SFT", mesh=None) -> glmjax.GlmForCausalLM:
     """`sft.steps` supervised steps on demonstration arrays (ids, loss mask [n, T]), batches
     drawn with `sft.seed`. DSA's sparse stage (glmjax/train.py) by default: the lightning
     indexer learns, from the attention it serves, which keys to keep; a model whose top-k
     is smaller than its context and whose indexer stayed at its init would attend to an
     arbitrary subset of keys. `sft.indexer_stage` None trains the LM losses only. With a
     mesh each batch is a global array split over the batch axes."""
-    stage = sft.get("indexer_stage", "sparse")
-    opt = lm_train.make_optimizer(dict(sft), model, trainable=lm_train.TRAINABLE[stage])
+    stage = sft.indexer_stage
+    opt = lm_train.make_optimizer(sft.optimizer(), model, trainable=lm_train.TRAINABLE[stage])
     rng = np.random.default_rng(sft.seed)
     for _ in tqdm(range(sft.steps), desc=desc, mininterval=1.0, disable=not distributed.is_main()):
         idx = rng.integers(0, len(ids), sft.batch_size)

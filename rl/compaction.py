@@ -48,10 +48,10 @@ class Compaction:
 
     @classmethod
     def from_config(cls, cfg, window: int) -> Compaction | None:
-        """The config's `rl.compaction` section (None when absent or not enabled)."""
-        if cfg is None or not cfg.get("enabled", False):
+        """The job's `rl.compaction` (rl/config.py: CompactionConfig; None when not enabled)."""
+        if not cfg.enabled:
             return None
-        return cls(window=window, **{k: v for k, v in dict(cfg).items() if k != "enabled"})
+        return cls(window=window, summary_tokens=cfg.summary_tokens, max_segments=cfg.max_segments)
 
     @property
     def reserve(self) -> int:
@@ -68,8 +68,9 @@ class Segment:
     observation_mask: list[int]
 
 
-class Rollout:
-    """One rollout as the requests it needs: `request()` gives the next (None once done),
+class Answer:
+    """A one-turn answer, compacted or not, as the requests it needs (wrapped into the
+    rl/rollout.py protocol by `TextRollout`): `request()` gives the next (None once done),
     `receive(result)` takes its result.
 
     max_new_tokens bounds the transcript (answer tokens over all segments); sampling
@@ -196,7 +197,7 @@ def oracle_segments(prompt: Sequence[int], answer: Sequence[int], compaction: Co
                     summarize: Callable[[str], str] = last_word) -> list[Segment]:
     """The segments a rollout would have if the model wrote `answer` and summarised with
     `summarize(transcript so far)`: the supervised demonstrations for compaction."""
-    rollout = Rollout(prompt, len(answer), compaction=compaction)
+    rollout = Answer(prompt, len(answer), compaction=compaction)
     while (req := rollout.request()) is not None:
         if not rollout.summarising:
             start = len(rollout.transcript)

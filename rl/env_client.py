@@ -21,8 +21,8 @@ import itertools
 from collections.abc import Sequence
 
 import glmjax
-from rl import rollout
 from glmjax.chat import Turn
+from rl import rollout
 from rl.engine.driver import Driver, Request
 from rl.engine.engine import GlmEngine
 

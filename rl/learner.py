@@ -13,7 +13,8 @@ One `Learner.step(batch)` (SAO, arXiv 2607.07508):
      the rollout's action tokens, so that its drafts keep up with the policy the engine
      speculates for (rl.num_draft). It reads the trunk's hidden states detached and has an
      optimizer of its own over the MTP layer only: the policy's update is unchanged.
-The ablation objectives (GRPO, DAPO, GSPO, PPO) replace steps 2 and 4.
+The other algorithms of rl/algorithms.py replace steps 2 and 4 with their own advantages
+(group baselines) or loss; distillation (rl/distill/) adds a teacher's KL to step 4.
 
 The value model is the glmjax model with a scalar head on its last hidden state and
 parameters of its own; with `freeze_critic_attention` only its MLP / MoE, norms,
@@ -23,8 +24,6 @@ embeddings and head train.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,8 +35,11 @@ from glmjax import distributed
 from glmjax import train as lm_train
 from glmjax.model import GlmForCausalLM
 from rl import sao
+from rl.algorithms import ALGORITHMS
+from rl.config import RLConfig
+from rl.distill import losses as distill_losses
+from rl.distill.losses import Distillation
 
-ALGORITHMS = ("sao", "grpo", "dapo", "gspo", "ppo")
 _POLICY_PARAMS = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("indexer")), nnx.Not(nnx.PathContains("mtp")))
 _MTP_PARAMS = nnx.All(nnx.Param, nnx.PathContains("mtp"), nnx.Not(nnx.PathContains("indexer")))
 
@@ -80,53 +82,53 @@ def _optimizer(model, lr: float, clip: float, wrt, warmup: int = 0) -> nnx.Optim
     return nnx.Optimizer(model, tx, wrt=wrt)
 
 
-def _policy_objective(policy, batch: sao.Batch, advantages, weights, cfg, logp_ref=None):
-    logp, entropy = token_logprobs(policy, batch.tokens, cfg.get("temperature", 1.0))
+def _policy_objective(policy, batch: sao.Batch, advantages, weights, rl, logp_ref=None, teacher=None, distill=None):
+    """The algorithm's policy loss (rl/algorithms.py), plus rl.kl_coef x KL to the starting
+    policy when a reference is given, plus the distillation term when a teacher is
+    (`Distillation`)."""
+    if teacher is None:
+        logp, entropy = token_logprobs(policy, batch.tokens, rl.temperature)
+        logp_all = None
+    else:  # one forward for the sampled tokens' log-probs and the whole distribution
+        logp_all, logp = distill_losses.student_logp_all(policy, batch.tokens, rl.temperature)
+        entropy = None
     mask = batch.action_mask
-    algorithm = cfg["algorithm"]
-    if algorithm == "sao":
-        loss, aux = sao.sao_policy_loss(logp, batch.logp_rollout, advantages, mask, cfg["eps_low"], cfg["eps_high"],
-                                        token_weights=weights)
-    elif algorithm == "grpo":
-        loss, aux = sao.grpo_loss(logp, batch.logp_rollout, advantages, mask, eps=cfg["eps_low"])
-    elif algorithm == "dapo":
-        loss, aux = sao.dapo_loss(logp, batch.logp_rollout, advantages, mask, eps_low=cfg["eps_low"],
-                                  eps_high=cfg["eps_high"])
-    elif algorithm == "gspo":
-        loss, aux = sao.gspo_loss(logp, batch.logp_rollout, advantages, mask)
-    else:  # ppo: the clipped surrogate; its clipped value loss trains the critic
-        loss, aux = sao.dapo_loss(logp, batch.logp_rollout, advantages, mask, eps_low=cfg["eps_low"],
-                                  eps_high=cfg["eps_low"])
+    loss, aux = ALGORITHMS[rl.algorithm].loss(logp, batch.logp_rollout, advantages, mask, weights, rl)
     m = mask.astype(jnp.float32)
-    aux = dict(aux, entropy=jnp.sum(entropy * m) / jnp.maximum(m.sum(), 1.0), policy_loss=loss)
+    aux = dict(aux, policy_loss=loss)
+    if entropy is not None:
+        aux["entropy"] = jnp.sum(entropy * m) / jnp.maximum(m.sum(), 1.0)
     if logp_ref is not None:  # L + beta KL(pi_theta || pi_ref) (rl.kl_coef)
         kl = sao.reference_kl(logp, logp_ref, mask, token_weights=weights)
-        loss = loss + cfg["kl_coef"] * kl
+        loss = loss + rl.kl_coef * kl
         aux = dict(aux, kl_reference=kl)
+    if teacher is not None:  # L + dist_weight x the mean per-token distribution-level KL to the teacher
+        dist_kl = distill.kl(logp_all, teacher, mask)
+        loss = loss + distill.dist_weight * dist_kl
+        aux = dict(aux, dist_kl=dist_kl)
     return loss, aux
 
 
-def _actor_grads(policy, batch, advantages, weights, cfg_items, reference=None):
-    cfg = dict(cfg_items)
+def _actor_grads(policy, batch, advantages, weights, rl, reference=None, teacher=None, distill=None):
     logp_ref = None
     if reference is not None:
-        logp_ref = jax.lax.stop_gradient(token_logprobs(reference, batch.tokens, cfg.get("temperature", 1.0))[0])
+        logp_ref = jax.lax.stop_gradient(token_logprobs(reference, batch.tokens, rl.temperature)[0])
     (loss, aux), grads = nnx.value_and_grad(
-        lambda m: _policy_objective(m, batch, advantages, weights, cfg, logp_ref),
+        lambda m: _policy_objective(m, batch, advantages, weights, rl, logp_ref, teacher, distill),
         argnums=nnx.DiffState(0, _POLICY_PARAMS), has_aux=True)(policy)
     finite = jnp.isfinite(loss) & jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
     return grads, dict(aux, grad_norm=optax.tree.norm(grads), finite=finite)
 
 
-@functools.partial(nnx.jit, static_argnames=("cfg_items",))
-def _actor_step(policy, optimizer, reference, batch, advantages, weights, cfg_items):
+@functools.partial(nnx.jit, static_argnames=("rl", "distill"))
+def _actor_step(policy, optimizer, reference, batch, advantages, weights, teacher, rl, distill):
     """Step 4 in one call: the objective's gradients (with a `reference` model, its KL term
-    too), applied only when the loss and every gradient are finite (aux["finite"] says
-    whether they were)."""
+    too; with a `teacher`, the distillation term), applied only when the loss and every
+    gradient are finite (aux["finite"] says whether they were)."""
     def update(p, o, g):
         o.update(p, g)
 
-    grads, aux = _actor_grads(policy, batch, advantages, weights, cfg_items, reference)
+    grads, aux = _actor_grads(policy, batch, advantages, weights, rl, reference, teacher, distill)
     nnx.cond(aux["finite"], update, lambda p, o, g: None, policy, optimizer, grads)
     return aux
 
@@ -190,51 +192,56 @@ _masked_mean = jax.jit(lambda x, mask: jnp.sum(x * mask) / jnp.maximum(jnp.sum(m
 
 
 class Learner:
-    """Owns the actor's and the critic's optimizers; `step` is one SAO (or ablation) update.
-
-    cfg (the config's `rl` dict): algorithm, eps_low, eps_high, alpha, gamma, actor_lr,
-    critic_lr, critic_steps (K), critic_warmup, actor_warmup (linear ramp of actor_lr over that
-    many actor updates), freeze_critic_attention, grad_clip, kl_coef (KL to the starting
-    policy; 0 = off), mtp_lr (step 5; 0 = off), and the rollouts' sampling temperature (the
-    policy's log-probs are taken at it).
+    """Owns the actor's and the critic's optimizers; `step` is one update of the configured
+    algorithm (rl/algorithms.py), reading its settings from `rl` (rl/config.py: RLConfig):
+    eps_low, eps_high, alpha, gamma, actor_lr, critic_lr, critic_steps (K), critic_warmup,
+    actor_warmup (linear ramp of actor_lr over that many actor updates),
+    freeze_critic_attention, grad_clip, kl_coef (KL to the starting policy; 0 = off), mtp_lr
+    (step 5; 0 = off), and the rollouts' sampling temperature (the policy's log-probs are
+    taken at it).
     """
 
-    def __init__(self, policy: GlmForCausalLM, critic: ValueModel | None, cfg: Mapping[str, Any], *,
-                 external_advantages: bool = False, mesh: jax.sharding.Mesh | None = None):
+    def __init__(self, policy: GlmForCausalLM, critic: ValueModel | None, rl: RLConfig, *,
+                 external_advantages: bool = False, distill: Distillation | None = None, actor_lr=None,
+                 mesh: jax.sharding.Mesh | None = None):
         """external_advantages: the caller passes `advantages` to every `step` (on-policy
-        distillation, rl/distill/losses.py), so no value model is needed or trained. mesh: the one the
+        distillation, rl/distill/), so no value model is needed or trained. distill: the
+        distribution-level KL to a teacher that every `step(..., teacher=...)` adds to the
+        loss. actor_lr: an optax schedule in place of `rl.actor_lr`. mesh: the one the
         policy and critic are sharded on; each batch (host arrays, the same in every
         process) becomes global arrays split by rows over its batch axes."""
-        if cfg["algorithm"] not in ALGORITHMS:
-            raise ValueError(f"rl.algorithm={cfg['algorithm']!r} is invalid: expected one of {ALGORITHMS}")
-        needs_critic = cfg["algorithm"] in ("sao", "ppo") and not external_advantages
+        if not isinstance(rl, RLConfig):
+            raise TypeError(f"Learner takes an RLConfig (rl/config.py), got {type(rl).__name__}")
+        self.algorithm = ALGORITHMS[rl.algorithm]
+        needs_critic = self.algorithm.critic and not external_advantages
         if needs_critic and critic is None:
-            raise ValueError(f"rl.algorithm={cfg['algorithm']!r} needs a value model")
-        self.cfg = dict(cfg)
+            raise ValueError(f"rl.algorithm={rl.algorithm!r} needs a value model")
+        if distill is not None and not external_advantages:
+            raise ValueError("distillation takes the caller's advantages: external_advantages=True")
+        self.rl, self.distill = rl, distill
         self.policy, self.critic = policy, critic if needs_critic else None
-        clip = cfg.get("grad_clip", 1.0)
-        self.actor_opt = _optimizer(policy, cfg["actor_lr"], clip, _POLICY_PARAMS, cfg.get("actor_warmup", 0))
+        clip = rl.grad_clip
+        self.actor_opt = _optimizer(policy, rl.actor_lr if actor_lr is None else actor_lr, clip, _POLICY_PARAMS,
+                                    rl.actor_warmup)
         self.critic_opt = None
         if self.critic is not None:
             wrt = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("indexer")))
-            if cfg.get("freeze_critic_attention", False):
+            if rl.freeze_critic_attention:
                 wrt = nnx.All(wrt, nnx.Not(nnx.PathContains("attn")))
-            self.critic_opt = _optimizer(self.critic, cfg["critic_lr"], clip, wrt)
+            self.critic_opt = _optimizer(self.critic, rl.critic_lr, clip, wrt)
         # rl.kl_coef > 0: a frozen copy of the starting policy (the base) for the KL term
-        self.reference = nnx.clone(policy) if cfg.get("kl_coef", 0.0) > 0 else None
+        self.reference = nnx.clone(policy) if rl.kl_coef > 0 else None
         self.mtp_opt = None
-        if cfg.get("mtp_lr", 0.0) > 0:
+        if rl.mtp_lr > 0:
             if policy.mtp is None:
-                raise ValueError(f"rl.mtp_lr={cfg['mtp_lr']} trains the MTP layer; this model has none "
+                raise ValueError(f"rl.mtp_lr={rl.mtp_lr} trains the MTP layer; this model has none "
                                  "(model.num_nextn_predict_layers=0)")
-            self.mtp_opt = _optimizer(policy, cfg["mtp_lr"], clip, _MTP_PARAMS)
+            self.mtp_opt = _optimizer(policy, rl.mtp_lr, clip, _MTP_PARAMS)
         self.external_advantages = external_advantages
         self.mesh = mesh
         self._bound = None
         self.steps = 0
         self.skipped = 0
-        self._loss_keys = tuple(sorted((k, v) for k, v in self.cfg.items()
-                                       if k in ("algorithm", "eps_low", "eps_high", "temperature", "kl_coef")))
 
     @property
     def _fns(self) -> dict:
@@ -250,23 +257,27 @@ class Learner:
             self._bound = fns
         return self._bound
 
-    def step(self, batch: sao.Batch, group_ids=None, advantages=None, row_weights=None) -> dict:
+    def step(self, batch: sao.Batch, group_ids=None, advantages=None, row_weights=None, teacher=None) -> dict:
         """One update; returns host-side metrics (floats). A batch with non-finite rewards
         or rollout log-probs, or whose gradients are not finite, changes nothing.
         advantages [B, T]: the caller's own, in place of the configured algorithm's (only
         with `external_advantages`). row_weights [B]: a factor on each row's tokens in the
-        loss (prioritized replay's importance weights). The advantages used are kept in
-        `last_advantages`."""
+        loss (prioritized replay's importance weights). teacher: the teacher's distribution
+        on the batch's tokens (rl/distill/teachers.py: score), with `distill`. The
+        advantages used are kept in `last_advantages`."""
         if (advantages is not None) != self.external_advantages:
             raise ValueError(f"Learner.step: expected advantages={'[B, T]' if self.external_advantages else 'None'} "
                              f"(external_advantages={self.external_advantages}), got "
                              f"{'None' if advantages is None else 'an array'}")
+        if (teacher is not None) != (self.distill is not None):
+            raise ValueError("Learner.step: a teacher's distribution goes with a learner made with `distill`, "
+                             "and only with one")
         mask = np.asarray(batch.action_mask)
         if not (np.isfinite(np.asarray(batch.rewards)).all()
                 and np.isfinite(np.asarray(batch.logp_rollout)[mask > 0]).all()):
             self.skipped += 1
             return {"skipped_nonfinite": 1.0}
-        cfg, metrics = self.cfg, {}
+        rl, metrics = self.rl, {}
         place = jnp.asarray if self.mesh is None else lambda x: distributed.global_batch(x, self.mesh)  # noqa: E731
         batch = distributed.global_batch(batch, self.mesh)
         weights = _token_weights(batch.action_mask, batch.rollout_id)
@@ -276,18 +287,20 @@ class Learner:
             adv = place(np.asarray(advantages, np.float32))
         elif self.critic is not None:
             adv, values, aux = self._fns["critic_phase"](
-                batch, weights, alpha=cfg["alpha"], gamma=cfg.get("gamma", 1.0), steps=cfg.get("critic_steps", 2),
-                clipped=cfg["algorithm"] == "ppo")
+                batch, weights, alpha=rl.alpha, gamma=rl.gamma, steps=rl.critic_steps,
+                clipped=self.algorithm.clipped_value)
             batch = batch._replace(values=values)
             metrics.update(aux)
         else:
             if group_ids is None:
-                raise ValueError(f"rl.algorithm={cfg['algorithm']!r} needs group_ids (G rollouts per prompt)")
+                raise ValueError(f"rl.algorithm={rl.algorithm!r} needs group_ids (G rollouts per prompt)")
             adv = _grpo_advantages(batch.rewards, place(np.asarray(group_ids)), batch.action_mask)
         self.last_advantages = adv
-        warming = self.critic is not None and self.steps < cfg.get("critic_warmup", 0)
+        warming = self.critic is not None and self.steps < rl.critic_warmup
         if not warming:
-            metrics.update(self._fns["actor_step"](batch, adv, weights, self._loss_keys))
+            if teacher is not None:
+                teacher = tuple(place(np.asarray(x)) if self.mesh is not None else x for x in teacher)
+            metrics.update(self._fns["actor_step"](batch, adv, weights, teacher, rl=rl, distill=self.distill))
         if self.mtp_opt is not None:
             metrics.update(self._fns["mtp_step"](batch.tokens, batch.action_mask))
         metrics = jax.device_get(metrics)  # one transfer
@@ -298,4 +311,3 @@ class Learner:
         metrics["critic_warmup"] = float(warming)
         metrics["advantage_mean"] = float(_masked_mean(adv, batch.action_mask.astype(jnp.float32)))
         return {k: float(v) for k, v in metrics.items()}
-

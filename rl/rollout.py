@@ -77,7 +77,7 @@ class Rollout(Protocol):
 
 class TextRollout:
     """A one-turn task: the engine writes the answer (compacting when configured: `inner` is
-    a `rl.compaction.Rollout`), then the task's verifier scores the transcript."""
+    an `rl.compaction.Answer`), then the task's verifier scores the transcript."""
 
     def __init__(self, task, inner):
         self.task, self.inner = task, inner

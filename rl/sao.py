@@ -1,4 +1,5 @@
-"""Advantages and policy losses: SAO (the default), and GRPO, DAPO, GSPO, PPO, OPD beside it.
+"""Advantages and policy losses: SAO (the default), and GRPO, DAPO, GSPO, PPO, OPD beside it
+(rl/algorithms.py names each algorithm's loss).
 
 SAO, "Single-Rollout Asynchronous Optimization" (arXiv 2607.07508), trains on one rollout
 per prompt with advantages from a value model:
@@ -106,13 +107,6 @@ def rollout_token_weights(action_mask: jax.Array, rollout_id: jax.Array) -> jax.
     mask = action_mask.astype(jnp.float32)
     n = rollout_sum(mask.sum(1), rollout_id)  # [B]
     return jnp.where(n[:, None] > 0, mask / jnp.maximum(n, 1.0)[:, None], 0.0)
-
-
-def staleness(versions: jax.Array, action_mask: jax.Array, version: int) -> jax.Array:
-    """Policy versions [B] between `version` (the learner's now) and the oldest weights that
-    generated an action token of the row; GLM-5 drops rows whose staleness exceeds tau."""
-    oldest = jnp.min(jnp.where(action_mask.astype(bool), versions, jnp.iinfo(jnp.int32).max), axis=1)
-    return jnp.where(action_mask.astype(bool).any(1), version - oldest, 0)
 
 
 # GAE ---------------------------------------------------------------------------------
@@ -342,10 +336,11 @@ def grpo_loss(logp: jax.Array, logp_old: jax.Array, advantages: jax.Array, actio
     return _sequence_mean(surrogate, mask), {"clip_fraction": _mean(clipped, m), "ratio_mean": _mean(sg(ratio), m)}
 
 
-def dapo_loss(logp: jax.Array, logp_old: jax.Array, advantages: jax.Array, action_mask: jax.Array, *,
-              eps_low: float = 0.2, eps_high: float = 0.28) -> tuple[jax.Array, dict]:
-    """DAPO (arXiv 2503.14476): token-level loss, sum over all action tokens of the batch
-    / their count, with clip-higher (eps_high > eps_low)."""
+def clipped_surrogate_loss(logp: jax.Array, logp_old: jax.Array, advantages: jax.Array, action_mask: jax.Array, *,
+                           eps_low: float = 0.2, eps_high: float = 0.28) -> tuple[jax.Array, dict]:
+    """PPO's clipped surrogate at the token level: the sum over all action tokens of the
+    batch of -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A), over their count. PPO with
+    eps_high = eps_low; DAPO's (arXiv 2503.14476) with clip-higher, eps_high > eps_low."""
     mask = action_mask.astype(bool)
     surrogate, ratio, clipped = _clipped_surrogate(logp, logp_old, advantages, mask, eps_low, eps_high)
     m = mask.astype(jnp.float32)
@@ -408,21 +403,6 @@ def ppo_value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array,
     v, old, r = values.astype(jnp.float32), sg(old_values.astype(jnp.float32)), sg(returns.astype(jnp.float32))
     v_clip = old + jnp.clip(v - old, -clip, clip)
     return 0.5 * _mean(jnp.maximum(jnp.square(v - r), jnp.square(v_clip - r)), action_mask.astype(jnp.float32))
-
-
-def ppo_loss(logp: jax.Array, logp_old: jax.Array, advantages: jax.Array, action_mask: jax.Array,
-             values: jax.Array, old_values: jax.Array, returns: jax.Array, *, eps: float = 0.2,
-             value_clip: float = 0.2, value_coef: float = 0.5) -> tuple[jax.Array, dict]:
-    """PPO with a critic (slime's `ppo` estimator): token-mean clipped surrogate +
-    value_coef * `ppo_value_loss`. Advantages and returns from `gae`."""
-    mask = action_mask.astype(bool)
-    surrogate, ratio, clipped = _clipped_surrogate(logp, logp_old, advantages, mask, eps, eps)
-    m = mask.astype(jnp.float32)
-    policy = _mean(surrogate, m)
-    value = ppo_value_loss(values, old_values, returns, action_mask, clip=value_clip)
-    aux = {"policy_loss": policy, "value_loss": value, "clip_fraction": _mean(clipped, m),
-           "ratio_mean": _mean(sg(ratio), m)}
-    return policy + value_coef * value, aux
 
 
 def opd_advantages(logp_student: jax.Array, logp_teacher: jax.Array, action_mask: jax.Array, *,

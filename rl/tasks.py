@@ -1,7 +1,8 @@
 """The RL job's tasks and how each becomes a rollout.
 
-    train, heldout, excluded = task_sets(cfg, workdir)
-    make = RolloutFactory(cfg, engine)          # make(task, rollout_id) -> rl.rollout.Rollout
+    train, heldout, excluded = task_sets(job, workdir)   # job: rl/config.py's JobConfig
+    make = RolloutFactory(job, window)          # make(task, rollout_id) -> rl.rollout.Rollout
+    stream = TaskStream(train, seed=job.task.seed)  # next(stream): the next training task
 
 Three sources, by config:
 - a text family (`task.family="sorting"`): one-turn `TextTask`s, a `TextRollout` each;
@@ -35,9 +36,9 @@ from envs.harbor.task import HarborTask
 from envs.sandbox.sandbox import Limits
 from envs.shell import ShellEnv
 from glmjax import distributed
-from rl import rollout as ro
 from glmjax.chat import ByteChat
-from rl.compaction import Compaction, Rollout
+from rl import rollout as ro
+from rl.compaction import Answer, Compaction
 from rl.engine.driver import Request, Result
 from rl.episode import Episode
 
@@ -45,9 +46,31 @@ log = logging.getLogger(__name__)
 STOP = ro.encode("\n")
 
 
+class TaskStream:
+    """Training tasks in a seeded, shuffled, repeating order (grain), checkpointable. With
+    `shard=(index, count)`, every count-th of them from the index-th: one process's share."""
+
+    def __init__(self, tasks, seed: int, shard: tuple[int, int] = (0, 1)):
+        import grain
+
+        self.tasks = tasks
+        index, count = shard
+        self._ds = grain.MapDataset.range(len(tasks)).shuffle(seed=seed).repeat()[index::count]
+        self._it = iter(self._ds.to_iter_dataset())
+
+    def __next__(self):
+        return self.tasks[next(self._it)]
+
+    def get_state(self):
+        return self._it.get_state()
+
+    def set_state(self, state):
+        self._it.set_state(state)
+
+
 def agentic(cfg) -> bool:
     """Whether the job runs multi-turn episodes (sandboxed tasks) rather than one-turn answers."""
-    return bool(cfg.task.get("harbor_dir")) or cfg.task.family in families.SANDBOX
+    return cfg.task.agentic
 
 
 def task_sets(cfg, workdir: str | None = None) -> tuple[list, list, dict]:
@@ -58,7 +81,7 @@ def task_sets(cfg, workdir: str | None = None) -> tuple[list, list, dict]:
         heldout = families.make_tasks(t.family, t.eval_tasks, seed=t.seed + 1, split="heldout", difficulty=t.difficulty)
         train, refused = _augmented(cfg, train)
         return train, heldout, {"augment_refused": refused} if refused else {}
-    if t.get("harbor_dir"):
+    if t.harbor_dir:
         from envs.harbor import dirs as harbor_dirs
 
         tasks = harbor_dirs.load_tasks([t.harbor_dir])
@@ -90,11 +113,11 @@ def validation_tasks(cfg, train: list, heldout: list) -> list:
     """`rl.validate_tasks` tasks for periodic validation during training, from another seed
     (`task.seed + 2`) and neither training nor held-out tasks: a run that picks its policy
     by validation does not pick it on the held-out tasks."""
-    n = cfg.rl.get("validate_tasks", 0)
-    if not n or not cfg.rl.get("validate_every", 0):
+    n = cfg.rl.validate_tasks
+    if not n or not cfg.rl.validate_every:
         return []
     t, taken = cfg.task, {x.id for x in train + heldout}
-    if t.get("harbor_dir"):
+    if t.harbor_dir:
         return train[:n]  # a directory has no other seed: its training tasks, as a training-curve check
     pool = families.make_tasks(t.family, 2 * n, seed=t.seed + 2, difficulty=t.difficulty)
     fresh = [x for x in pool if x.id not in taken][:n]
@@ -107,13 +130,13 @@ def validation_tasks(cfg, train: list, heldout: list) -> list:
 def _augmented(cfg, tasks: list) -> tuple[list, int]:
     """The tasks and, for `task.augment_fraction` of them, a perturbed copy (module
     docstring); the number of copies refused because the perturbation broke the task."""
-    kinds = [k.strip() for k in (cfg.task.get("augment") or "").split(",") if k.strip()]
+    kinds = cfg.task.augment_kinds
     if not kinds:
         return tasks, 0
     rng = random.Random(f"augment:{cfg.task.seed}")
     out, refused = list(tasks), 0
     for task in tasks:
-        if rng.random() < cfg.task.get("augment_fraction", 0.5):
+        if rng.random() < cfg.task.augment_fraction:
             try:
                 out.append(augment.augment(task, kinds, rng))
             except (ValueError, TypeError) as err:
@@ -150,24 +173,22 @@ def _validated(tasks: list[HarborTask], workdir: str | None, workers: int) -> di
 
 def sandbox_limits(cfg) -> Limits:
     """Each command's limits in the job's sandboxes: the env section's ``command_seconds``,
-    and ``memory_mb``, ``disk_mb`` and ``cpus`` where it sets them (else ``Limits``'s
-    defaults: 2 GiB, 1 GiB, one core per sandbox)."""
-    e, default = cfg.env, Limits()
-    mib = lambda key, value: int(e.get(key, value >> 20)) << 20  # noqa: E731
-    return Limits(wall_seconds=e.command_seconds, memory_bytes=mib("memory_mb", default.memory_bytes),
-                  disk_bytes=mib("disk_mb", default.disk_bytes), cpus=e.get("cpus", default.cpus))
+    ``memory_mb``, ``disk_mb`` and ``cpus``."""
+    e = cfg.env
+    return Limits(wall_seconds=e.command_seconds, memory_bytes=e.memory_mb << 20, disk_bytes=e.disk_mb << 20,
+                  cpus=e.cpus)
 
 
 def make_env(cfg) -> ShellEnv:
     e = cfg.env
     return ShellEnv(limits=sandbox_limits(cfg), max_turns=e.max_turns,
                     observation_bytes=e.observation_bytes, show_help=e.show_help, action_format=e.action_format,
-                    timing=e.get("timing", True))
+                    timing=e.timing)
 
 
 def compaction(cfg) -> Compaction | None:
     # the engine serves max_len - 1 tokens: it keeps one cache entry for the step's write
-    return Compaction.from_config(cfg.rl.get("compaction"), window=cfg.task.max_len - 1)
+    return Compaction.from_config(cfg.rl.compaction, window=cfg.task.max_len - 1)
 
 
 def budget(prompt, max_new_tokens: int, window: int, compaction: Compaction | None) -> int:
@@ -197,7 +218,7 @@ class RolloutFactory:
                            compaction=self.compaction, blank_observations=self.blank)
         prompt = ro.encode(task.prompt)
         c = self.compaction
-        inner = Rollout(prompt, budget(prompt, cfg.task.max_new_tokens, self.window, c), compaction=c, stop_ids=STOP,
+        inner = Answer(prompt, budget(prompt, cfg.task.max_new_tokens, self.window, c), compaction=c, stop_ids=STOP,
                         temperature=temperature, seed=self.seed + rid, session_id=f"{session}-{rid}" if c else None)
         return ro.TextRollout(task, inner)
 

@@ -30,10 +30,8 @@ import re
 import tomllib
 from typing import Mapping
 
-from envs.image import dockerfile
-from envs.image import installs
-from envs.image import shell_syntax
 from envs.harbor.task import HarborTask
+from envs.image import dockerfile, installs, shell_syntax
 from envs.sandbox.tree import read_tree
 
 _DIFFICULTY = {"trivial": 1, "easy": 1, "medium": 3, "hard": 4, "expert": 5}

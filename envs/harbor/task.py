@@ -42,9 +42,8 @@ import shlex
 import stat
 from typing import Mapping
 
-from envs.image import host_tools
-from envs.image import installs
 from envs.base import Task
+from envs.image import host_tools, installs
 from envs.sandbox.sandbox import RunResult, Sandbox
 
 _AGENT_WRITABLE = ("/app", "/tmp", "/logs", "/solution")

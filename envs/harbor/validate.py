@@ -40,10 +40,18 @@ import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from envs.harbor import changes
 from envs.base import TextTask, is_full, is_zero
-from envs.harbor.task import (HarborTask, UnsupportedTask, prepare, run_script, run_tests, stops_after, task_limits,
-                         trial_reward)
+from envs.harbor import changes
+from envs.harbor.task import (
+    HarborTask,
+    UnsupportedTask,
+    prepare,
+    run_script,
+    run_tests,
+    stops_after,
+    task_limits,
+    trial_reward,
+)
 from envs.sandbox.sandbox import Limits, Sandbox, SandboxError, probe
 
 _HEREDOC = re.compile(r"<<-?\s*(['\"]?)([A-Za-z_][A-Za-z0-9_]*)\1")

@@ -38,8 +38,7 @@ import re
 import shlex
 import tarfile
 
-from envs.image import host_tools
-from envs.image import installs
+from envs.image import host_tools, installs
 from envs.sandbox import tree
 
 _IGNORED = {"EXPOSE", "CMD", "ENTRYPOINT", "LABEL", "HEALTHCHECK", "SHELL", "STOPSIGNAL", "VOLUME", "ONBUILD",

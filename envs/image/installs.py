@@ -27,8 +27,7 @@ import dataclasses
 import re
 from typing import Callable
 
-from envs.image import host_tools
-from envs.image import shell_syntax
+from envs.image import host_tools, shell_syntax
 
 _WRAPPERS = {"sudo", "env", "command", "exec", "nice", "nohup", "time", "stdbuf", "timeout"}
 _SHELLS = {"sh", "bash", "dash", "zsh"}

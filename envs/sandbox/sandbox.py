@@ -116,11 +116,8 @@ import tempfile
 import threading
 from typing import Mapping
 
-from envs.sandbox import cgroup
 from envs.image import host_tools
-from envs.sandbox import isolation
-from envs.sandbox import launcher
-from envs.sandbox import tree
+from envs.sandbox import cgroup, isolation, launcher, tree
 from envs.sandbox.isolation import VIRTUAL_DIRS, Isolation, Plan, claim_uid
 
 __all__ = ["Isolation", "Limits", "RunResult", "Sandbox", "SandboxError", "VIRTUAL_DIRS", "probe"]

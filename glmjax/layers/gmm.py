@@ -26,7 +26,6 @@ import jax.numpy as jnp
 
 from pallas_kernels.reference import jit_when_eager
 
-
 BATCHED_TILE = 32  # rows per tile from which small experts' tiles run as one batched matmul
 LOOP_TILE_MACS = 1 << 22  # a tile's products from which the loop's per-tile cost is small beside them
 

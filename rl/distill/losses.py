@@ -36,24 +36,19 @@ How it differs from textbook distillation (forward KL on the teacher's samples):
     gradient: at each visited state the full reverse KL is the expectation the sampled
     kl_t estimates (its Rao-Blackwellised form), so it needs no importance ratio and no
     kl_coef; the sampled states only choose where the distributions are compared.
-Pure functions of arrays, except `distill_step` (one update of a Learner's policy).
+Pure functions of arrays; `Distillation` is the distribution-level term the learner adds to
+its loss (rl/learner.py: Learner(..., distill=Distillation(...)), step(..., teacher=...)).
 Shapes: B rows, T tokens, K top-k entries, N vocabulary.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Mapping
-from typing import Any
+import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-import optax
-from flax import nnx
 
 from rl import sao
-from rl.learner import Learner
 
 
 def reverse_kl(logp_student: jax.Array, logp_teacher: jax.Array, action_mask: jax.Array) -> jax.Array:
@@ -125,7 +120,7 @@ def _mixed_kl(log_s, log_t, action_mask, beta):
 DISTRIBUTIONS = ("topk", "full")
 
 
-def _student_logp_all(policy, tokens, temperature):
+def student_logp_all(policy, tokens, temperature):
     """log p_student(. | tokens[:t]) at position t [B, T, N] (0 at t = 0) and the
     log-prob of tokens[t] in it [B, T]: `rl.learner.token_logprobs` from the same forward."""
     logits = policy(tokens).logits[:, :-1] / temperature
@@ -134,55 +129,29 @@ def _student_logp_all(policy, tokens, temperature):
     return logp_all, logp  # position 0's row is all 0, so its log-prob is 0 as there
 
 
-def _distill_objective(policy, batch: sao.Batch, adv, weights, teacher, cfg):
-    logp_all, logp = _student_logp_all(policy, batch.tokens, cfg.get("temperature", 1.0))
-    loss, aux = sao.sao_policy_loss(logp, batch.logp_rollout, adv, batch.action_mask, cfg["eps_low"],
-                                    cfg["eps_high"], token_weights=weights)
-    if cfg["distribution"] == "topk":
-        kl = topk_kl(logp_all, *teacher, batch.action_mask, cfg["beta"])
-    else:
-        kl = full_kl(logp_all, *teacher, batch.action_mask, cfg["beta"])
-    m = batch.action_mask.astype(jnp.float32)
-    dist_kl = jnp.sum(kl * m) / jnp.maximum(m.sum(), 1.0)
-    return loss + cfg["dist_weight"] * dist_kl, dict(aux, policy_loss=loss, dist_kl=dist_kl)
+@dataclasses.dataclass(frozen=True)
+class Distillation:
+    """The distribution-level term: dist_weight x the mean over action tokens of D(student_t,
+    teacher_t), D = beta KL(s || t) + (1 - beta) KL(t || s) over the teacher's top k
+    (`distribution="topk"`) or the whole vocabulary ("full")."""
 
+    distribution: str = "full"
+    beta: float = 0.0
+    dist_weight: float = 1.0
 
-@functools.partial(nnx.jit, static_argnames=("cfg_items",))
-def _distill_grads(policy, optimizer, batch, adv, weights, teacher, cfg_items):
-    cfg = dict(cfg_items)
-    (_, aux), grads = nnx.value_and_grad(
-        lambda m: _distill_objective(m, batch, adv, weights, teacher, cfg),
-        argnums=nnx.DiffState(0, optimizer.wrt), has_aux=True)(policy)
-    finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-    finite &= jnp.isfinite(aux["policy_loss"]) & jnp.isfinite(aux["dist_kl"])
-    return grads, dict(aux, grad_norm=optax.tree.norm(grads), finite=finite)
+    def __post_init__(self):
+        if self.distribution not in DISTRIBUTIONS:
+            raise ValueError(f"opd.distribution={self.distribution!r} is invalid: expected one of {DISTRIBUTIONS}")
+        if not 0.0 <= self.beta <= 1.0:
+            raise ValueError(f"opd.beta={self.beta} is invalid: expected 0 <= beta <= 1 (the reverse KL's share)")
 
-
-@nnx.jit
-def _apply(policy, optimizer, grads):
-    optimizer.update(policy, grads)
-
-
-def distill_step(learner: Learner, batch: sao.Batch, adv: jax.Array, teacher: tuple[jax.Array, ...],
-                 cfg: Mapping[str, Any]) -> dict:
-    """One update of `learner`'s policy with its optimizer on SAO's loss with the OPD
-    advantages `adv` plus cfg["dist_weight"] x the mean per-token distribution-level KL.
-    teacher: (top-k ids, top-k log-probs) [B, T, K] for cfg["distribution"] == "topk", or
-    (log-probs of the whole vocabulary,) [B, T, N] for "full" (`rl.distill.teachers.score`).
-    cfg: distribution, beta, dist_weight, eps_low, eps_high, temperature. Returns
-    host-side metrics (floats)."""
-    if cfg["distribution"] not in DISTRIBUTIONS:
-        raise ValueError(f"opd.distribution={cfg['distribution']!r} is invalid: expected one of {DISTRIBUTIONS}")
-    if not 0.0 <= cfg["beta"] <= 1.0:
-        raise ValueError(f"opd.beta={cfg['beta']} is invalid: expected 0 <= beta <= 1 (the reverse KL's share)")
-    keys = tuple(sorted((k, cfg[k]) for k in ("distribution", "beta", "dist_weight", "eps_low", "eps_high",
-                                              "temperature")))
-    weights = sao.rollout_token_weights(batch.action_mask, batch.rollout_id)
-    grads, aux = _distill_grads(learner.policy, learner.actor_opt, batch, adv, weights, tuple(teacher), keys)
-    learner.steps += 1
-    if bool(aux.pop("finite")):
-        _apply(learner.policy, learner.actor_opt, grads)
-    else:  # a non-finite batch changes nothing, as in Learner.step
-        learner.skipped += 1
-        aux["skipped_nonfinite"] = 1.0
-    return {k: float(np.asarray(v)) for k, v in aux.items()}
+    def kl(self, logp_all: jax.Array, teacher: tuple[jax.Array, ...], action_mask: jax.Array) -> jax.Array:
+        """The mean per-token D over action tokens. teacher: (top-k ids, top-k log-probs)
+        [B, T, K] for "topk", or (log-probs of the whole vocabulary,) [B, T, N] for "full"
+        (rl/distill/teachers.py: score)."""
+        if self.distribution == "topk":
+            kl = topk_kl(logp_all, *teacher, action_mask, self.beta)
+        else:
+            kl = full_kl(logp_all, *teacher, action_mask, self.beta)
+        m = action_mask.astype(jnp.float32)
+        return jnp.sum(kl * m) / jnp.maximum(m.sum(), 1.0)

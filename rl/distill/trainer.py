@@ -29,23 +29,33 @@ import os
 import time
 
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
 import glmjax
-from glmjax import distributed, sharding
 from envs import families
-from rl.distill import losses as opd
+from glmjax import distributed
+from rl import base_model
 from rl import rollout as ro
-from rl import base_model, trainer
+from rl.config import DistillJobConfig
+from rl.distill import losses as opd
+from rl.distill.teachers import (
+    TeacherRegistry,
+    TeacherSpec,
+    TeacherSwitcher,
+    order_by_teacher,
+    save_teacher,
+    score,
+)
 from rl.engine.driver import Driver, Request
 from rl.engine.engine import GlmEngine
-from rl.learner import Learner
-from rl.distill.teachers import TeacherRegistry, TeacherSpec, TeacherSwitcher, order_by_teacher, save_teacher, score
 from rl.engine.weights import WeightStore
+from rl.evaluation import evaluate
+from rl.job import on_mesh, say
+from rl.learner import Learner
+from rl.tasks import STOP, TaskStream
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +82,7 @@ def build_student(cfg, workdir: str, mesh=None) -> glmjax.GlmForCausalLM:
     if os.path.exists(os.path.join(path, "config.json")):
         return glmjax.from_pretrained(path, mesh=mesh)
     s = cfg.student
-    model = glmjax.init_model(glmjax.presets.model_config_from(cfg), seed=s.seed, mesh=mesh)
+    model = glmjax.init_model(cfg.model, seed=s.seed, mesh=mesh)
     supervised(model, [task for t in cfg.teachers.values() for task in _demonstrations(t, s.demonstrations, s.seed)], s,
                mesh)
     glmjax.save_pretrained(model, path)
@@ -86,8 +96,7 @@ def build_teachers(cfg, workdir: str, base: glmjax.GlmForCausalLM, mesh=None) ->
     for name, t in sorted(cfg.teachers.items()):
         path = os.path.join(workdir, "teachers", name)
         if not os.path.exists(os.path.join(path, "config.json")):
-            sft = ml_collections.ConfigDict(cfg.teacher_sft.to_dict())
-            sft.update({k: t[k] for k in ("steps", "demonstrations") if k in t})  # per-family budgets
+            sft = cfg.teacher_sft_for(t)  # per-family budgets
             save_teacher(supervised(nnx.clone(base), _demonstrations(t, sft.demonstrations, sft.seed), sft, mesh), path)
         specs.append(TeacherSpec(name, path, (t.family,)))
     return TeacherRegistry(specs)
@@ -108,7 +117,7 @@ def mixed_train_tasks(cfg) -> list:
 
 def pass_rates(model, tasks_by_domain, cfg, mesh=None) -> dict[str, float]:
     driver = Driver(GlmEngine(model, max_concurrent_decodes=cfg.opd.slots, max_len=cfg.task.max_len, mesh=mesh))
-    return {d: trainer.evaluate(driver, tasks, cfg.task.max_new_tokens) for d, tasks in tasks_by_domain.items()}
+    return {d: evaluate(driver, tasks, cfg.task.max_new_tokens) for d, tasks in tasks_by_domain.items()}
 
 
 class Scorer:
@@ -138,7 +147,7 @@ class Scorer:
         for g, (name, idx) in enumerate(groups):
             handles = [self.driver.submit(Request(ro.encode(tasks[i].prompt), t.max_new_tokens,
                                                   temperature=o.temperature, seed=seed + first_id + i,
-                                                  stop_ids=trainer.STOP)) for i in idx]
+                                                  stop_ids=STOP)) for i in idx]
             self.driver.run_until_idle()
             group = []
             for i, h in zip(idx, handles):
@@ -167,11 +176,10 @@ def train_batch(learner: Learner, trajectories, teacher, domain_ids, cfg) -> dic
     outcome = opd.outcome_advantages(batch.rewards, jnp.asarray(domain_ids), batch.action_mask)
     adv = opd.advantages(batch.logp_rollout, logp_teacher, batch.action_mask, kl_coef=o.kl_coef, outcome=outcome,
                          outcome_weight=o.outcome_weight)
+    dist = None
     if o.distribution in opd.DISTRIBUTIONS:
         dist = tuple(jnp.asarray(np.stack([x[k] for x in teacher])) for k in range(1, len(teacher[0])))
-        metrics = opd.distill_step(learner, batch, adv, dist, dict(o))
-    else:
-        metrics = learner.step(batch, advantages=adv)
+    metrics = learner.step(batch, advantages=adv, teacher=dist)
     kl = opd.reverse_kl(batch.logp_rollout, logp_teacher, batch.action_mask)
     m = np.asarray(batch.action_mask)
     metrics["reverse_kl"] = float(np.sum(np.asarray(kl)) / max(m.sum(), 1.0))
@@ -179,43 +187,25 @@ def train_batch(learner: Learner, trajectories, teacher, domain_ids, cfg) -> dic
     return metrics
 
 
-def check_config(cfg) -> None:
-    """Raises ValueError naming the first field of a distillation config that the job cannot
+def check_config(cfg) -> DistillJobConfig:
+    """The typed config (rl/config.py); a ValueError names the first field the job cannot
     run, before any model trains."""
-    if (cfg.get("distributed") or {}).get("num_processes", 1) != 1:
-        raise ValueError("the distillation job runs in one process (over any mesh of its devices): set "
-                         "distributed.num_processes=1")
-    distributed.check_job(cfg)
-    if cfg.opd.distribution not in (*opd.DISTRIBUTIONS, "sampled"):
-        raise ValueError(f"opd.distribution={cfg.opd.distribution!r} is invalid: expected one of "
-                         f"{(*opd.DISTRIBUTIONS, 'sampled')}")
-    for name, t in sorted(cfg.teachers.items()):
-        if t.family not in families.TEXT:
-            raise ValueError(f"teachers.{name}.family={t.family!r} is not a text task family: expected one of "
-                             f"{sorted(families.TEXT)}")
-    if cfg.task.max_len > cfg.model.max_position_embeddings:
-        raise ValueError(f"task.max_len={cfg.task.max_len} exceeds model.max_position_embeddings="
-                         f"{cfg.model.max_position_embeddings}")
+    return DistillJobConfig.from_config(cfg)
 
 
 def run(cfg, workdir: str) -> dict:
     """The job (module docstring). With `config.mesh` (glmjax/distributed.py) the student,
     the teachers and the engine are split over it by `config.rules`, in one layout (so
     publishing stays a reference swap), and learner batches are global arrays."""
-    check_config(cfg)
-    os.makedirs(workdir, exist_ok=True)
-    mesh, rules = distributed.job_mesh(cfg)
-    if mesh is None:
-        return _run(cfg, workdir, None, None)
-    with sharding.use_mesh(mesh, rules):
-        return _run(cfg, workdir, mesh, rules)
+    job = check_config(cfg)
+    return on_mesh(job.raw, workdir, lambda mesh, rules: _run(job, workdir, mesh, rules))
 
 
 def _run(cfg, workdir: str, mesh, rules) -> dict:
     start = time.time()
     o = cfg.opd
     if mesh is not None:
-        print(f"student, teachers and engine on {distributed.describe(mesh)}", flush=True)
+        say(f"student, teachers and engine on {distributed.describe(mesh)}")
     student = build_student(cfg, workdir, mesh)
     registry = build_teachers(cfg, workdir, student, mesh)
     heldout = heldout_tasks(cfg)
@@ -234,14 +224,14 @@ def _run(cfg, workdir: str, mesh, rules) -> dict:
     # noise of a few dozen rollouts per batch instead of stepping at the full rate.
     lr = optax.warmup_cosine_decay_schedule(o.actor_lr / 10, o.actor_lr, o.warmup, max(total_steps, o.warmup + 1),
                                             end_value=o.actor_lr / 10)
-    learner = Learner(student, None, dict(algorithm="sao", actor_lr=lr, **{k: o[k] for k in (
-        "eps_low", "eps_high", "grad_clip", "temperature")}), external_advantages=True, mesh=mesh)
+    learner = Learner(student, None, o.learner(), external_advantages=True, distill=o.distillation(), actor_lr=lr,
+                      mesh=mesh)
     store = WeightStore(nnx.state(student))
     driver = Driver(GlmEngine(student, weights=store, max_concurrent_decodes=o.slots, max_len=cfg.task.max_len,
                               mesh=mesh, rules=rules))
     switcher = TeacherSwitcher(registry, prefetch=o.prefetch, device=mesh, rules=rules)
     scorer = Scorer(registry, switcher, driver, cfg)
-    stream = trainer.TaskStream(mixed_train_tasks(cfg), seed=cfg.task.seed)
+    stream = TaskStream(mixed_train_tasks(cfg), seed=cfg.task.seed)
     domains = {d: i for i, d in enumerate(sorted(heldout))}
     history = open(os.path.join(workdir, "metrics.jsonl"), "w")
     step, rollouts, opd_start = 0, 0, time.time()

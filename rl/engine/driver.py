@@ -35,9 +35,9 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
+from glmjax.sampling import SamplingParams
 from rl.engine.engine import GlmEngine
 from rl.engine.prefix_cache import PrefixCache
-from glmjax.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 

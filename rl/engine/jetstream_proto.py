@@ -72,7 +72,12 @@ _NAMES = ("DecodeRequest", "DecodeResponse", "HealthCheckRequest", "HealthCheckR
 
 
 def _build() -> types.SimpleNamespace:
-    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory, text_format
+    from google.protobuf import (
+        descriptor_pb2,
+        descriptor_pool,
+        message_factory,
+        text_format,
+    )
 
     file_proto = text_format.Parse(_DESCRIPTOR, descriptor_pb2.FileDescriptorProto())
     pool = descriptor_pool.DescriptorPool()

@@ -34,8 +34,8 @@ import jax.numpy as jnp
 
 from glmjax.cache import KVCache
 from glmjax.layers.mla import Context
-from glmjax.train import MTP_MODES
 from glmjax.sampling import sample, sampling_logprobs
+from glmjax.train import MTP_MODES
 
 MODES = MTP_MODES  # how the draft layer sees its context (module docstring)
 

@@ -80,10 +80,9 @@ def test_help_names_the_profile_option(monkeypatch, capsys):
 def test_cpu_primitives_fit_top_k_cost_and_read_experts_both_ways_alike():
     """cpu_primitives.py: the top-k cost line through two row lengths (hand-computed), and its
     two expert arms computing the same products as numpy."""
+    import cpu_primitives
     import jax
     import numpy as np
-
-    import cpu_primitives
 
     rows, per_key, per_row = 4, 2e-9, 50e-6
     times = {s: rows * (per_row + per_key * s) for s in (4096, 32768)}

@@ -10,7 +10,13 @@ from envs import evaluate, families
 from envs.cli import main
 from envs.families import terminal
 from envs.generate import generate
-from envs.models import ModelError, OpenAIClient, OracleClient, ScriptedClient, client_from_spec
+from envs.models import (
+    ModelError,
+    OpenAIClient,
+    OracleClient,
+    ScriptedClient,
+    client_from_spec,
+)
 
 
 class _Completions(http.server.BaseHTTPRequestHandler):

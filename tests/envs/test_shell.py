@@ -7,9 +7,9 @@ import pytest
 from envs import augment, families
 from envs.base import Transcript, parse_action
 from envs.harbor.task import HarborTask
+from envs.harbor.validate import validate
 from envs.reward import RewardConfig, reward, weight
 from envs.shell import ShellEnv
-from envs.harbor.validate import validate
 
 
 def test_parse_action():

@@ -86,6 +86,7 @@ def test_full_size_parameter_counts():
 
 def test_full_size_forward_shapes_without_allocating():
     from flax import nnx
+
     from tests.presets_util import load_model_config
 
     config = load_model_config("configs/glm53.py").replace(num_hidden_layers=4, index_topk_pattern="FSSS")

@@ -6,8 +6,8 @@ from flax import nnx
 
 import glmjax
 from glmjax import plan, sharding
-from tests.presets_util import REPO
 from tests.glmjax.test_sharding import CONFIG
+from tests.presets_util import REPO
 
 
 def test_parameter_bytes_equal_eval_shape_total():

@@ -16,7 +16,15 @@ from flax import nnx
 from jax import export
 
 import glmjax
-from pallas_kernels import absorbed_mla, flash_mla, indexer, ops, pallas_ops, reference, sparse_mla
+from pallas_kernels import (
+    absorbed_mla,
+    flash_mla,
+    indexer,
+    ops,
+    pallas_ops,
+    reference,
+    sparse_mla,
+)
 from tests import hf_models
 
 B, H, C, R = 2, 3, 24, 8  # C, R not powers of two: the wrappers pad

@@ -7,7 +7,7 @@ import pytest
 from envs import families
 from rl import rollout as ro
 from rl import sao
-from rl.compaction import Compaction, Rollout, oracle_segments
+from rl.compaction import Answer, Compaction, oracle_segments
 from rl.engine.driver import Result
 
 COMPACT = Compaction(window=40, summary_tokens=4)
@@ -52,7 +52,7 @@ def test_short_answers_are_one_segment_without_compaction():
 
 def test_rollout_requests_cut_at_a_word_then_summarise_then_continue():
     prompt = ro.encode("count 10 to 40 by 3=")  # 20 tokens
-    r = Rollout(prompt, 48, compaction=COMPACT, stop_ids=[10], temperature=0.7, seed=5)
+    r = Answer(prompt, 48, compaction=COMPACT, stop_ids=[10], temperature=0.7, seed=5)
     req = r.request()
     assert req.prompt == prompt and req.max_new_tokens == 40 - 20 - 5 and req.stop_ids == (10,)
     r.receive(_result("10 13 16 19 2", "length", logp=-0.1, version=1))  # cut mid-number
@@ -74,29 +74,29 @@ def test_rollout_requests_cut_at_a_word_then_summarise_then_continue():
 
 def test_rollout_ends_unfinished_when_it_cannot_compact():
     prompt = ro.encode("count 10 to 40 by 3=")
-    r = Rollout(prompt, 48, compaction=COMPACT)
+    r = Answer(prompt, 48, compaction=COMPACT)
     r.receive(_result("1013161922252", "length"))  # no whole word to keep
     assert r.done and r.finish_reason == "length" and len(r.segments) == 1
-    r = Rollout(prompt, 48, compaction=COMPACT)
+    r = Answer(prompt, 48, compaction=COMPACT)
     r.receive(_result("10 13 16 ", "length"))
     r.receive(_result("999", "length"))  # the summary overran its budget
     assert r.done and r.finish_reason == "length" and r.text == "10 13 16 "
-    capped = Rollout(prompt, 200, compaction=Compaction(window=40, summary_tokens=4, max_segments=2))
+    capped = Answer(prompt, 200, compaction=Compaction(window=40, summary_tokens=4, max_segments=2))
     capped.receive(_result("10 13 16 ", "length"))
     capped.receive(_result("16;", "stop"))
     assert capped.request().max_new_tokens == 40 - 20 - 4  # the last segment may fill the window
     with pytest.raises(ValueError, match="window"):
-        Rollout(ro.encode("x" * 30), 10, compaction=COMPACT)
+        Answer(ro.encode("x" * 30), 10, compaction=COMPACT)
 
 
 def test_a_compacted_rollout_counts_once_in_the_loss():
     prompt = ro.encode("count 10 to 40 by 3=")
-    r = Rollout(prompt, 48, compaction=COMPACT)
+    r = Answer(prompt, 48, compaction=COMPACT)
     for text, reason in [("10 13 16 ", "length"), ("16;", "stop"), ("19 22 25 ", "length"), ("25;", "stop"),
                          ("28 31 34 37 40\n", "stop")]:
         r.receive(_result(text, reason))
     compacted = r.trajectories(1.0, rollout_id=0)
-    plain = Rollout(prompt, 48)
+    plain = Answer(prompt, 48)
     plain.receive(_result("10 13 16 19 22 25 28 31 34 37 40\n", "stop"))
     rows = compacted + plain.trajectories(0.0, rollout_id=1)
     batch = ro.to_batch(rows, length=64, rows=8)
@@ -131,7 +131,7 @@ def test_engine_log_probs_match_the_learner_on_compacted_segments():
     compaction = Compaction(window=window, summary_tokens=summary, max_segments=2, separator=chr(separator),
                             close=chr(close))
     driver = Driver(GlmEngine(model, max_concurrent_decodes=2, max_len=window + 1))  # + the engine's spare entry
-    r = Rollout(prompt, 40, compaction=compaction, session_id="r")
+    r = Answer(prompt, 40, compaction=compaction, session_id="r")
     while not r.done:
         h = driver.submit(r.request())
         driver.run_until_idle()

@@ -17,10 +17,11 @@ from envs.base import Step
 from envs.shell import ShellEnv
 from envs.tool_calls import parse_tool_call
 from glmjax import chat as chat_module
+from glmjax.chat import ByteChat, HFChat, Turn
 from rl import rollout as ro
 from rl import sao
-from glmjax.chat import ByteChat, HFChat, Turn
 from rl.collector import Collector, drive
+from rl.config import RLConfig
 from rl.engine.driver import Driver
 from rl.engine.engine import GlmEngine
 from rl.episode import Episode
@@ -100,8 +101,8 @@ def test_observation_positions_have_no_policy_gradient(model):
     adv_b, _ = sao.sao_advantages(batch._replace(values=values + noise), alpha=1.5)
     np.testing.assert_allclose(np.asarray(adv_a) * mask, np.asarray(adv_b) * mask, atol=1e-6)
 
-    cfg = dict(algorithm="sao", eps_low=0.2, eps_high=4.0, alpha=1.5, actor_lr=1e-3, critic_lr=1e-3, critic_steps=1,
-               critic_warmup=0, grad_clip=1.0)
+    cfg = RLConfig(algorithm="sao", eps_low=0.2, eps_high=4.0, alpha=1.5, actor_lr=1e-3, critic_lr=1e-3, critic_steps=1,
+                   critic_warmup=0, grad_clip=1.0, temperature=1.0)
     updated = []
     for b in (batch, batch._replace(logp_rollout=batch.logp_rollout + noise)):
         policy = nnx.clone(model)
@@ -234,7 +235,8 @@ def test_grpo_groups_episodes_of_one_task_and_trains_on_their_relative_rewards(m
     assert all(len({tr.task_id for tr in g}) == 1 and len(g) == 2 for g in by_group.values())
     arrays = ro.to_batch(batch, length=128)
     group_ids = np.asarray([tr.rollout_id // 2 for tr in batch])
-    cfg = dict(algorithm="grpo", eps_low=0.2, eps_high=0.2, alpha=1.5, actor_lr=1e-3, critic_lr=1e-3, temperature=1.0)
+    cfg = RLConfig(algorithm="grpo", group_size=2, eps_low=0.2, eps_high=0.2, alpha=1.5, actor_lr=1e-3, critic_lr=1e-3,
+                   temperature=1.0)
     learner = Learner(nnx.clone(model), None, cfg)
     metrics = learner.step(arrays, group_ids=group_ids)
     assert np.isfinite(metrics["policy_loss"])
@@ -324,11 +326,11 @@ def test_hf_chat_template_checked_turn_by_turn():
 
 def test_collector_runs_one_turn_tasks_through_the_same_protocol(model):
     """A text task is a rollout like an episode: engine turn, then its verifier in the pool."""
-    from rl.compaction import Rollout
+    from rl.compaction import Answer
 
     tasks = families.make_tasks("sorting", 3, seed=0, difficulty=1)
     driver = Driver(GlmEngine(model, max_concurrent_decodes=4, max_len=64))
-    rollouts = [ro.TextRollout(t, Rollout(ro.encode(t.prompt), 6, stop_ids=ro.encode("\n"))) for t in tasks]
+    rollouts = [ro.TextRollout(t, Answer(ro.encode(t.prompt), 6, stop_ids=ro.encode("\n"))) for t in tasks]
     drive(driver, rollouts)
     for t, r in zip(tasks, rollouts):
         assert r.reward == t.verify(r.text) and len(r.trajectories(0)) == 1

@@ -1,5 +1,7 @@
 """The learner: log-probs, the value model, SAO steps, warm-up, frozen attention, NaN batches."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,10 +10,11 @@ from flax import nnx
 
 import glmjax
 from rl import learner, sao
+from rl.config import RLConfig
 from tests.glmjax.test_sharding import CONFIG
 
-CFG = dict(algorithm="sao", eps_low=0.2, eps_high=4.0, alpha=1.5, gamma=1.0, actor_lr=3e-3, critic_lr=3e-3,
-           critic_steps=2, critic_warmup=0, freeze_critic_attention=False, grad_clip=1.0)
+CFG = RLConfig(algorithm="sao", eps_low=0.2, eps_high=4.0, alpha=1.5, gamma=1.0, actor_lr=3e-3, critic_lr=3e-3,
+               critic_steps=2, critic_warmup=0, freeze_critic_attention=False, grad_clip=1.0, temperature=1.0)
 
 
 def _batch(seed=0, b=4, t=12, prompt=5):
@@ -64,7 +67,7 @@ def test_the_value_model_generalizes_a_value_the_tokens_determine():
     batches it has not trained on (Learner.step reports the explained variance before the
     batch's last critic update)."""
     policy, critic = _models()
-    lrn = learner.Learner(policy, critic, dict(CFG, critic_warmup=10 ** 6, critic_lr=1e-3))
+    lrn = learner.Learner(policy, critic, dataclasses.replace(CFG, critic_warmup=10 ** 6, critic_lr=1e-3))
     ev = []
     for seed in range(80):
         batch = _batch(seed, b=16)
@@ -76,7 +79,7 @@ def test_the_value_model_generalizes_a_value_the_tokens_determine():
 def test_critic_warmup_leaves_the_policy_unchanged():
     policy, critic = _models()
     before = jax.tree.map(np.asarray, nnx.state(policy, nnx.Param))
-    lrn = learner.Learner(policy, critic, dict(CFG, critic_warmup=2))
+    lrn = learner.Learner(policy, critic, dataclasses.replace(CFG, critic_warmup=2))
     assert lrn.step(_batch())["critic_warmup"] == 1.0
     lrn.step(_batch())
     after = jax.tree.map(np.asarray, nnx.state(policy, nnx.Param))
@@ -94,7 +97,7 @@ def test_actor_warmup_ramps_the_rate_from_zero():
         batch = _batch(seed)
         return batch._replace(logp_rollout=learner.token_logprobs(policy, batch.tokens)[0])
 
-    lrn = learner.Learner(policy, critic, dict(CFG, critic_warmup=1, actor_warmup=4))
+    lrn = learner.Learner(policy, critic, dataclasses.replace(CFG, critic_warmup=1, actor_warmup=4))
     lrn.step(on_policy(0))  # critic warm-up
     before = params()
     lrn.step(on_policy(1))  # the ramp's first update: rate 0
@@ -115,7 +118,7 @@ def test_kl_coef_holds_the_policy_near_the_starting_one():
         batch = _batch()
         logp0, _ = learner.token_logprobs(policy, batch.tokens)
         batch = batch._replace(logp_rollout=logp0)
-        lrn = learner.Learner(policy, critic, dict(CFG, kl_coef=beta))
+        lrn = learner.Learner(policy, critic, dataclasses.replace(CFG, kl_coef=beta))
         for _ in range(6):
             metrics = lrn.step(batch)
         assert ("kl_reference" in metrics) == (beta > 0)
@@ -131,7 +134,7 @@ def test_frozen_critic_attention():
     attn = lambda: jax.tree.map(np.asarray, nnx.state(critic.backbone.layers[0].attn, nnx.Param))  # noqa: E731
     mlp = lambda: np.asarray(critic.backbone.layers[0].mlp.gate[...])  # noqa: E731
     a0, m0 = attn(), mlp()
-    learner.Learner(policy, critic, dict(CFG, freeze_critic_attention=True)).step(_batch())
+    learner.Learner(policy, critic, dataclasses.replace(CFG, freeze_critic_attention=True)).step(_batch())
     jax.tree.map(np.testing.assert_array_equal, a0, attn())
     assert np.abs(mlp() - m0).max() > 0
 
@@ -152,12 +155,12 @@ def test_nonfinite_batch_is_skipped_and_training_goes_on():
 
 def test_grpo_needs_groups_and_runs_without_a_critic():
     policy, _ = _models()
-    lrn = learner.Learner(policy, None, dict(CFG, algorithm="grpo"))
+    lrn = learner.Learner(policy, None, dataclasses.replace(CFG, algorithm="grpo", group_size=2))
     with pytest.raises(ValueError, match="group_ids"):
         lrn.step(_batch())
     assert np.isfinite(lrn.step(_batch(), group_ids=jnp.array([0, 0, 1, 1]))["policy_loss"])
     with pytest.raises(ValueError, match="rl.algorithm"):
-        learner.Learner(policy, None, dict(CFG, algorithm="reinforce"))
+        learner.Learner(policy, None, dataclasses.replace(CFG, algorithm="reinforce"))
 
 
 def test_mtp_step_trains_the_mtp_layer_alone():
@@ -166,7 +169,7 @@ def test_mtp_step_trains_the_mtp_layer_alone():
     config = CONFIG.replace(num_nextn_predict_layers=1)
     policy = glmjax.init_model(config, seed=0)
     critic = learner.ValueModel(glmjax.init_model(config, seed=1))
-    lrn = learner.Learner(policy, critic, dict(CFG, critic_warmup=10 ** 6, mtp_lr=1e-2))
+    lrn = learner.Learner(policy, critic, dataclasses.replace(CFG, critic_warmup=10 ** 6, mtp_lr=1e-2))
     trunk = lambda: jax.tree.map(np.asarray, nnx.state(policy, nnx.All(nnx.Param, nnx.Not(nnx.PathContains("mtp")))))  # noqa: E731
     mtp = lambda: jax.tree.map(np.asarray, nnx.state(policy.mtp, nnx.Param))  # noqa: E731
     trunk0, mtp0 = trunk(), mtp()
@@ -177,4 +180,4 @@ def test_mtp_step_trains_the_mtp_layer_alone():
     moved = jax.tree.map(lambda a, b: np.abs(a - b).max(), mtp0, mtp())
     assert max(jax.tree.leaves(moved)) > 0
     with pytest.raises(ValueError, match="num_nextn_predict_layers"):
-        learner.Learner(glmjax.init_model(CONFIG), critic, dict(CFG, mtp_lr=1e-3))
+        learner.Learner(glmjax.init_model(CONFIG), critic, dataclasses.replace(CFG, mtp_lr=1e-3))

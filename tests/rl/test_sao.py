@@ -217,12 +217,6 @@ def test_batch_check_names_the_bad_field():
         batch._replace(values=np.zeros((2, 4))).check()
 
 
-def test_staleness_counts_from_the_oldest_action_token():
-    versions = jnp.array([[1, 3, 4], [0, 5, 5], [0, 0, 0]])  # row 1: version 0 is on a prompt token
-    mask = jnp.array([[1, 1, 1], [0, 1, 1], [0, 0, 0]])
-    np.testing.assert_array_equal(sao.staleness(versions, mask, 6), [5, 1, 0])
-
-
 def test_value_loss_hand_computed():
     values = np.array([[1.0, 2.0, 5.0]], np.float32)
     returns = np.array([[0.0, 2.5, -9.0]], np.float32)
@@ -264,7 +258,7 @@ def test_grpo_loss_sequence_mean():
 
 
 def test_dapo_loss_token_level_clip_higher():
-    loss, _ = sao.dapo_loss(_LP, _LP - np.log(_R), _A, _M)
+    loss, _ = sao.clipped_surrogate_loss(_LP, _LP - np.log(_R), _A, _M)
     s = [_surrogate(_R[b, t], _A[b, t], 0.2, 0.28) for b in range(2) for t in range(3) if _M[b, t]]
     np.testing.assert_allclose(s, [-1.28, 0.8, -2.0, 2.2, -0.7], rtol=1e-6)
     np.testing.assert_allclose(loss, np.sum(s) / 5, rtol=1e-5)
@@ -303,17 +297,20 @@ def test_gspo_loss_sequence_ratio():
     np.testing.assert_allclose(aux["clip_fraction"], 0.5)
 
 
-def test_ppo_loss_with_clipped_value_loss():
+def test_ppo_clipped_value_loss():
     values = np.array([[1.0, 0.0, 0.5], [0.3, 2.0, 9.0]], np.float32)
     old = np.array([[0.5, 0.0, 0.5], [0.0, 1.0, 0.0]], np.float32)
     returns = np.array([[0.0, 1.0, 0.5], [1.0, 1.0, 0.0]], np.float32)
-    loss, aux = sao.ppo_loss(_LP, _LP - np.log(_R), _A, _M, values, old, returns, eps=0.2, value_clip=0.2)
+    loss = sao.ppo_value_loss(values, old, returns, _M, clip=0.2)
     # Value terms: max((v-R)^2, (v_clip-R)^2) with v_clip = old + clip(v-old, +-0.2).
     v_terms = [max(1.0, 0.7 ** 2), 1.0, 0.0, max(0.49, 0.64), max(1.0, 0.2 ** 2)]
-    np.testing.assert_allclose(aux["value_loss"], 0.5 * np.mean(v_terms), rtol=1e-5)
+    np.testing.assert_allclose(loss, 0.5 * np.mean(v_terms), rtol=1e-5)
+
+
+def test_ppo_is_the_symmetric_token_level_clipped_surrogate():
+    loss, _ = sao.clipped_surrogate_loss(_LP, _LP - np.log(_R), _A, _M, eps_low=0.2, eps_high=0.2)
     s = [_surrogate(_R[b, t], _A[b, t], 0.2, 0.2) for b in range(2) for t in range(3) if _M[b, t]]
-    np.testing.assert_allclose(aux["policy_loss"], np.mean(s), rtol=1e-5)
-    np.testing.assert_allclose(loss, np.mean(s) + 0.5 * 0.5 * np.mean(v_terms), rtol=1e-5)
+    np.testing.assert_allclose(loss, np.mean(s), rtol=1e-5)
 
 
 def test_opd_advantages_reverse_kl():

@@ -5,9 +5,9 @@ import json
 import os
 import pathlib
 
+from envs.cli import main
 from envs.harbor import dirs as harbor_dirs
 from envs.image import host_tools
-from envs.cli import main
 
 TASKS = str(pathlib.Path(__file__).resolve().parents[2] / "harbor_tasks")
 

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from envs.harbor import dirs as harbor_dirs
 from envs.cli import main
+from envs.harbor import dirs as harbor_dirs
 from envs.harbor.validate import validate
 from tests.harbor_util import GOOD_SOLVE, GOOD_TEST, write_task
 

@@ -6,10 +6,7 @@ import tarfile
 
 import pytest
 
-from envs.image import dockerfile
-from envs.image import host_tools
-from envs.image import installs
-from envs.image import shell_syntax
+from envs.image import dockerfile, host_tools, installs, shell_syntax
 from envs.sandbox.sandbox import Sandbox
 
 

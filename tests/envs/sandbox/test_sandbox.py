@@ -14,13 +14,11 @@ import time
 
 import pytest
 
-from envs.sandbox import cgroup
-from envs.harbor import dirs as harbor_dirs
-from envs.sandbox import isolation
-from envs.sandbox import tree
-from envs.sandbox import sandbox as sandbox_module
 from envs.cli import main
+from envs.harbor import dirs as harbor_dirs
 from envs.harbor.task import HarborTask
+from envs.sandbox import cgroup, isolation, tree
+from envs.sandbox import sandbox as sandbox_module
 from envs.sandbox.sandbox import Isolation, Limits, Sandbox, SandboxError, probe
 from envs.shell import ShellEnv
 from tests.harbor_util import write_task

@@ -20,9 +20,10 @@ import pytest
 import glmjax
 from envs import families
 from rl import sao
+from rl.config import RLConfig
 from rl.distill import losses as opd
-from rl.distill import trainer as opd_trainer
 from rl.distill import teachers
+from rl.distill import trainer as opd_trainer
 from rl.engine.driver import Driver
 from rl.engine.engine import GlmEngine
 from rl.learner import Learner, token_logprobs
@@ -243,23 +244,25 @@ def test_distill_step_lowers_the_distribution_kl(saved_teachers, distribution):
                       segment_index=jnp.zeros(4, jnp.int32))
     teacher = teachers.score(models["sorter"], tokens, topk=8 if distribution == "topk" else 0,
                              full=distribution == "full")[1:]
-    cfg = dict(algorithm="sao", eps_low=0.2, eps_high=4.0, actor_lr=3e-3, grad_clip=1.0, temperature=1.0,
-               distribution=distribution, beta=1.0, dist_weight=1.0)
-    learner = Learner(student, None, cfg, external_advantages=True)
+    cfg = RLConfig(algorithm="sao", eps_low=0.2, eps_high=4.0, actor_lr=3e-3, grad_clip=1.0, temperature=1.0)
+    learner = Learner(student, None, cfg, external_advantages=True,
+                      distill=opd.Distillation(distribution=distribution, beta=1.0, dist_weight=1.0))
     with pytest.raises(ValueError, match="expected advantages=\\[B, T\\]"):
-        learner.step(batch)
+        learner.step(batch, teacher=teacher)
+    with pytest.raises(ValueError, match="a teacher's distribution goes with"):
+        learner.step(batch, advantages=jnp.zeros((4, 10)))
     with pytest.raises(ValueError, match="opd.beta=2.0 is invalid"):
-        opd.distill_step(learner, batch, jnp.zeros((4, 10)), teacher, dict(cfg, beta=2.0))
+        opd.Distillation(distribution=distribution, beta=2.0)
     # Before any update the policy loss with zero advantages is 0 and the KL is the hand-made one.
     student_all = jax.nn.log_softmax(student(tokens).logits[:, :-1], -1)
     student_all = jnp.pad(student_all, ((0, 0), (1, 0), (0, 0)))
     kl = (opd.topk_kl(student_all, *teacher, mask) if distribution == "topk" else
           opd.full_kl(student_all, *teacher, mask))
-    first = opd.distill_step(learner, batch, jnp.zeros((4, 10)), teacher, cfg)
+    first = learner.step(batch, advantages=jnp.zeros((4, 10)), teacher=teacher)
     np.testing.assert_allclose(first["dist_kl"], float(kl.sum() / mask.sum()), rtol=1e-5)
     assert first["policy_loss"] == 0.0
     for _ in range(4):
-        last = opd.distill_step(learner, batch, jnp.zeros((4, 10)), teacher, cfg)
+        last = learner.step(batch, advantages=jnp.zeros((4, 10)), teacher=teacher)
     assert last["dist_kl"] < first["dist_kl"] and learner.steps == 5 and learner.skipped == 0
 
 
@@ -273,7 +276,7 @@ def test_learner_step_with_opd_advantages_moves_the_sampled_tokens():
                       segment_index=jnp.zeros(2, jnp.int32))
     # The teacher likes row 0's tokens more than the student does and row 1's less.
     adv = opd.advantages(logp0, logp0 + jnp.asarray([[1.0], [-1.0]]), mask)
-    cfg = dict(algorithm="sao", eps_low=0.2, eps_high=4.0, actor_lr=1e-3, grad_clip=1.0, temperature=1.0)
+    cfg = RLConfig(algorithm="sao", eps_low=0.2, eps_high=4.0, actor_lr=1e-3, grad_clip=1.0, temperature=1.0)
     metrics = Learner(student, None, cfg, external_advantages=True).step(batch, advantages=adv)
     gain = np.asarray((token_logprobs(student, tokens)[0] - logp0) * mask).sum(1)
     assert gain[0] > 0 > gain[1] and np.isfinite(metrics["policy_loss"])

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 
 import glmjax
+from glmjax.sampling import SamplingParams
 from rl.engine import engine as engine_lib
 from rl.engine.driver import Driver, Request
 from rl.engine.engine import GlmEngine, Prefix, ResultTokens
-from glmjax.sampling import SamplingParams
 from tests.engine_util import TINY, greedy_reference, prompts
 
 SLOTS, MAX_LEN, BUCKETS = 2, 64, (8, 16)

@@ -9,12 +9,12 @@ import pytest
 from scipy import stats
 
 import glmjax
+from glmjax.cache import KVCache
+from glmjax.sampling import SamplingParams
+from glmjax.train import mtp_draft_logits, mtp_loss
 from rl.engine import serve
 from rl.engine.driver import Driver, Request
 from rl.engine.engine import GlmEngine
-from glmjax.sampling import SamplingParams
-from glmjax.cache import KVCache
-from glmjax.train import mtp_draft_logits, mtp_loss
 from rl.engine.speculative import accept
 from tests.engine_util import TINY, greedy_reference, prompts
 
