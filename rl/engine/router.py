@@ -16,10 +16,15 @@ replica rather than recomputing the prefix elsewhere; requests behind it are not
 (slime does the same with SGLang's router: least-loaded data-parallel choice plus
 consistent hashing by session.)
 
-A replica is anything with `capacity` and `submit(request, handle)`: `Driver`, or
-`GrpcReplica` for a glmjax-serve / JetStream server. The JetStream protocol carries no
-sampling settings, log-probs or versions: a GrpcReplica's results have log_probs NaN and
-versions -1, and the server's own sampling settings apply.
+A replica is anything with `capacity` and `submit(request, handle)` (and `running` and
+`stop` where the router is served): `Driver`, or `GrpcReplica` for a glmjax-serve /
+JetStream server. The JetStream protocol carries no sampling settings, log-probs or
+versions: a GrpcReplica's results have log_probs NaN and versions -1, and the server's own
+sampling settings apply. A GrpcReplica whose server is down or refuses a request finishes
+that request at once with finish_reason "error" and the server's status in `error`.
+
+The router offers the Driver's serving interface (`submit`, `queued`, `active`,
+`capacity`, `running`, `stop`), so `glmjax-serve --route` serves it as it serves a Driver.
 """
 
 from __future__ import annotations
@@ -73,7 +78,30 @@ class Router:
 
     @property
     def queued(self) -> int:
+        """Requests waiting in the router for a replica's slot."""
         return len(self._queue)
+
+    @property
+    def active(self) -> int:
+        """Requests given to replicas and not yet finished."""
+        return sum(self.in_flight)
+
+    @property
+    def capacity(self) -> int:
+        """Slots over all replicas."""
+        return sum(r.capacity for r in self.replicas)
+
+    @property
+    def running(self) -> bool:
+        """Whether any replica can serve (a Driver's thread runs, a GrpcReplica's server
+        answers HealthCheck)."""
+        return any(r.running for r in self.replicas)
+
+    def stop(self) -> None:
+        """Stops every replica: Drivers' threads end, GrpcReplicas' channels close (their
+        calls in flight finish "cancelled")."""
+        for replica in self.replicas:
+            replica.stop()
 
     def _choose(self, request: Request) -> int | None:
         room = [i for i, r in enumerate(self.replicas) if self.in_flight[i] < r.capacity]
@@ -118,13 +146,32 @@ class Router:
 
 
 class GrpcReplica:
-    """A glmjax-serve (or any JetStream Orchestrator) server as a router replica;
-    ``token``: the server's ``--auth-token``, sent with every request."""
+    """A glmjax-serve (or any JetStream Orchestrator) server at `target` ("host:port") as a
+    router replica taking `capacity` requests at a time (the server's --slots); ``token``:
+    the server's ``--auth-token``, sent with every request. A call that fails ends its
+    request with finish_reason "error" and `error` "<gRPC status>: replica <target>:
+    <details>", e.g. "UNAVAILABLE: replica 10.0.0.2:9000: failed to connect to all
+    addresses" when the server is down (gRPC fails such calls at once)."""
 
     def __init__(self, target: str, capacity: int, token: str | None = None):
         from rl.engine.serve import Client
 
-        self.client, self.capacity = Client(target, token=token), capacity
+        self.target, self.capacity = target, capacity
+        self.client = Client(target, token=token)
+
+    @property
+    def running(self) -> bool:
+        """Whether the server answers HealthCheck as live within 5 s."""
+        import grpc
+
+        try:
+            return self.client.health(timeout=5.0)
+        except grpc.RpcError:
+            return False
+
+    def stop(self) -> None:
+        """Closes the channel; calls in flight finish "cancelled"."""
+        self.client.close()
 
     def submit(self, request: Request, handle: Handle | None = None) -> Handle:
         handle = handle or Handle(request)
@@ -133,8 +180,7 @@ class GrpcReplica:
         threading.Thread(target=self._read, args=(call, handle), daemon=True).start()
         return handle
 
-    @staticmethod
-    def _read(call, handle: Handle) -> None:
+    def _read(self, call, handle: Handle) -> None:
         import grpc
 
         out = Result([], [], [], "length", len(handle.request.prompt))
@@ -147,7 +193,7 @@ class GrpcReplica:
             if err.code() == grpc.StatusCode.CANCELLED:
                 out.finish_reason = "cancelled"
             else:
-                out.finish_reason, out.error = "error", f"{err.code().name}: {err.details()}"
+                out.finish_reason, out.error = "error", f"{err.code().name}: replica {self.target}: {err.details()}"
         else:
             if out.tokens and out.tokens[-1] in handle.request.stop_ids:
                 out.finish_reason = "stop"

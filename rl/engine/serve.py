@@ -1,8 +1,10 @@
 """glmjax-serve: JetStream's gRPC protocol (the Orchestrator service of google-jetstream
-0.2.2) in front of the in-process Driver.
+0.2.2) in front of the in-process Driver, or of a Router over other glmjax-serve servers.
 
     glmjax-serve --checkpoint DIR --host 127.0.0.1 --port 9000 [--slots 8 --max-len 2048]
     GLMJAX_SERVE_TOKEN=... glmjax-serve --checkpoint DIR --host 0.0.0.0 --metrics-port 9100
+    glmjax-serve --checkpoint DIR --quantize int8
+    glmjax-serve --route 10.0.0.1:9000,10.0.0.2:9000 --port 9000 --slots 8
 
 `Decode(DecodeRequest) -> stream DecodeResponse`: token-in, token-out. The request's
 `token_content.token_ids` is the prompt, `max_tokens` the budget and `session_cache`, when
@@ -13,22 +15,35 @@ tokenizer. Malformed requests (no tokens, too long, ids outside the vocabulary, 
 budget) end with INVALID_ARGUMENT and the server keeps serving; a client that cancels its
 stream frees its slot at the next step. `HealthCheck` answers is_live once the driver runs.
 
-Flags: --checkpoint (HF-format directory), --host, --port, --slots, --max-len,
+Flags: --checkpoint (HF-format directory) or --route, --host, --port, --slots, --max-len,
 --num-draft and --mtp-mode (MTP speculation), --temperature, --top-k, --stop-ids,
---prefix-cache, --dtype, --mesh, --warmup, --metrics-port, --auth-token, --insecure. With
-`--mesh tensor=2,expert=2` the checkpoint loads sharded onto that many devices and the
-engine decodes on them (experts all-to-all over `expert`, heads and hidden over `tensor`,
-sharding.DECODE_RULES). A bad value
-(a checkpoint directory without config.json or weights, a --max-len past the model's
-positions, a port in use, ...) ends before serving with the usage line and one
+--prefix-cache, --dtype, --quantize, --mesh, --warmup, --metrics-port, --auth-token,
+--insecure. With `--mesh tensor=2,expert=2` the checkpoint loads sharded onto that many
+devices and the engine decodes on them (experts all-to-all over `expert`, heads and hidden
+over `tensor`, sharding.DECODE_RULES). `--quantize int8|int4` serves the model with its
+routed experts stored as integers (rl/engine/quant.py: int8 per output channel, int4 per
+group of 32), on one device (not with --mesh). A bad value (a checkpoint directory without
+config.json or weights, a --max-len past the model's positions, a --quantize other than
+int8 or int4, a port in use, ...) ends before serving with the usage line and one
 `glmjax-serve: error: ...` naming it, exit status 2.
+
+Routing: `--route HOST:PORT,HOST:PORT` loads no model; the same service hands each Decode
+call to rl/engine/router.py's Router over those servers (a GrpcReplica each, --slots
+requests at a time: their own --slots). The router queues what does not fit, gives work to
+the least loaded replica and sends a session's turns to the replica that holds its prefix.
+The model flags (--max-len, --quantize, --temperature, ...) belong on the replicas' command
+lines and are refused here. A replica that is down fails each request given to it with
+UNAVAILABLE naming it (the router keeps serving); a replica's INVALID_ARGUMENT is passed on
+as is, its other failures become INTERNAL. HealthCheck answers is_live while any replica
+answers its own.
 
 Access: with a token (--auth-token, or better $GLMJAX_SERVE_TOKEN, which `ps` does not
 show) every Decode must carry the gRPC metadata `authorization: Bearer <token>` (compared
 in constant time); a call without it, or with another token, ends with UNAUTHENTICATED and
 the server keeps serving. HealthCheck stays open, for load balancers and orchestrators that
 probe without credentials; it tells only whether the server is up. Binding a non-loopback
---host needs a token or an explicit --insecure, else the server refuses to start.
+--host needs a token or an explicit --insecure, else the server refuses to start. A router
+checks its callers the same way and sends its token on to the replicas.
 
 Metrics (--metrics-port; Prometheus text format over HTTP on --host, no token, counts
 only): requests waiting (`glmjax_serve_queue_depth`), slots in use and in all
@@ -39,7 +54,9 @@ only): requests waiting (`glmjax_serve_queue_depth`), slots in use and in all
 per step when speculating (`glmjax_serve_mtp_accepted_drafts`, a histogram over
 0..num_draft) and Decode calls by how they ended (`glmjax_serve_requests_total{status}`:
 ok, invalid_argument, unauthenticated, cancelled (by the client or its deadline), error).
-Each server has its own registry.
+A router exports the requests by status, time to first token, its queue depth and the
+replicas' slots in use and in all; each replica counts its own tokens and drafts. Each
+server has its own registry.
 
 Needs the `serve` extra (grpcio, protobuf; prometheus-client for --metrics-port).
 """
@@ -65,6 +82,7 @@ from typing import Any
 
 from rl.engine import jetstream_proto
 from rl.engine.driver import Driver, Request
+from rl.engine.router import GrpcReplica, Router
 
 log = logging.getLogger(__name__)
 
@@ -95,10 +113,28 @@ def check_access(host: str, token: str | None, insecure: bool) -> None:
                          "anyone who can connect")
 
 
-class _DriverCollector:
-    """The metrics read from the driver at each scrape (its counters are the record)."""
+class _LoadCollector:
+    """Requests waiting, slots in use and slots in all, read from the backend (a Driver or
+    a Router) at each scrape."""
+
+    def __init__(self, backend: Driver | Router):
+        self.backend = backend
+
+    def collect(self):
+        from prometheus_client.core import GaugeMetricFamily
+
+        b = self.backend
+        yield GaugeMetricFamily("glmjax_serve_queue_depth", "Decode requests waiting for a slot", value=b.queued)
+        yield GaugeMetricFamily("glmjax_serve_slots_in_use", "Slots holding a request", value=b.active)
+        yield GaugeMetricFamily("glmjax_serve_slots", "Slots (concurrent decodes)", value=b.capacity)
+
+
+class _DriverCollector(_LoadCollector):
+    """The load, and the tokens and drafts read from the driver at each scrape (its
+    counters are the record)."""
 
     def __init__(self, driver: Driver, window: float = 60.0):
+        super().__init__(driver)
         self.driver, self.window = driver, window
         # (monotonic seconds, tokens) at the start and at each scrape since
         self._samples = collections.deque([(time.monotonic(), driver.stats["tokens"])])
@@ -118,10 +154,8 @@ class _DriverCollector:
     def collect(self):
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+        yield from super().collect()
         d = self.driver
-        yield GaugeMetricFamily("glmjax_serve_queue_depth", "Decode requests waiting for a slot", value=d.queued)
-        yield GaugeMetricFamily("glmjax_serve_slots_in_use", "Slots holding a request", value=d.active)
-        yield GaugeMetricFamily("glmjax_serve_slots", "Slots (concurrent decodes)", value=d.capacity)
         tokens = d.stats["tokens"]
         yield CounterMetricFamily("glmjax_serve_generated_tokens", "Tokens handed to requests", value=tokens)
         yield GaugeMetricFamily("glmjax_serve_generated_tokens_per_second",
@@ -137,9 +171,10 @@ class _DriverCollector:
 
 
 class Metrics:
-    """One server's Prometheus metrics (module docstring), in a registry of its own."""
+    """One server's Prometheus metrics (module docstring), in a registry of its own; over a
+    Router, the Decode calls and the load only (each replica's server counts its tokens)."""
 
-    def __init__(self, driver: Driver):
+    def __init__(self, backend: Driver | Router):
         from prometheus_client import CollectorRegistry, Counter, Histogram
 
         self.registry = CollectorRegistry()
@@ -150,7 +185,7 @@ class Metrics:
         self.ttft = Histogram("glmjax_serve_time_to_first_token_seconds",
                               "Seconds from a Decode call's arrival to its first tokens", buckets=TTFT_BUCKETS,
                               registry=self.registry)
-        self.registry.register(_DriverCollector(driver))
+        self.registry.register(_DriverCollector(backend) if isinstance(backend, Driver) else _LoadCollector(backend))
 
 
 class _Outcome:
@@ -169,13 +204,19 @@ class _Outcome:
             self.metrics.requests.labels(status=status).inc()
 
 
-class OrchestratorService:
-    """The servicer: each Decode call becomes a Request on the shared Driver. With a
-    `token`, Decode needs `authorization: Bearer <token>`; HealthCheck never does."""
+# A replica's status that the router's caller can act on (fix the request, retry later) is
+# passed on, with the metrics status it counts as; any other failure is INTERNAL, "error".
+_PASSED_ON = {"INVALID_ARGUMENT": "invalid_argument", "UNAVAILABLE": "error"}
 
-    def __init__(self, driver: Driver, *, token: str | None = None, metrics: Metrics | None = None,
+
+class OrchestratorService:
+    """The servicer: each Decode call becomes a Request submitted to the shared backend,
+    the in-process Driver or a Router over replicas (--route). With a `token`, Decode needs
+    `authorization: Bearer <token>`; HealthCheck never does."""
+
+    def __init__(self, backend: Driver | Router, *, token: str | None = None, metrics: Metrics | None = None,
                  temperature: float = 0.0, top_k: int = 0, stop_ids: Sequence[int] = ()):
-        self.driver, self.metrics = driver, metrics
+        self.backend, self.metrics = backend, metrics
         self.pb = jetstream_proto.load()
         self._expected = None if token is None else f"Bearer {token}".encode()
         self.temperature, self.top_k, self.stop_ids = temperature, top_k, tuple(stop_ids)
@@ -208,7 +249,7 @@ class OrchestratorService:
                           f"DecodeRequest.{kind or 'content'}: glmjax-serve is token-in/token-out; "
                           "send token_content.token_ids")
         try:
-            handle = self.driver.submit(Request(
+            handle = self.backend.submit(Request(
                 prompt=list(request.token_content.token_ids), max_new_tokens=request.max_tokens,
                 temperature=self.temperature, top_k=self.top_k, stop_ids=self.stop_ids,
                 session_id=request.session_cache or None))
@@ -223,12 +264,18 @@ class OrchestratorService:
             yield self.pb.DecodeResponse(stream_content=self.pb.DecodeResponse.StreamContent(
                 samples=[sample(token_ids=chunk)]))
         result = handle.result()
-        ended({"cancelled": "cancelled", "error": "error"}.get(result.finish_reason, "ok"))
-        if result.finish_reason == "error":
-            context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {result.error}")
+        if result.finish_reason != "error":
+            ended("cancelled" if result.finish_reason == "cancelled" else "ok")
+            return
+        status = (result.error or "").split(":", 1)[0]  # a GrpcReplica's errors start with its status
+        if status in _PASSED_ON:
+            ended(_PASSED_ON[status])
+            context.abort(grpc.StatusCode[status], result.error)
+        ended("error")
+        context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {result.error}")
 
     def HealthCheck(self, request, context):
-        return self.pb.HealthCheckResponse(is_live=self.driver.running)
+        return self.pb.HealthCheckResponse(is_live=self.backend.running)
 
 
 def add_service(server, service: OrchestratorService) -> None:
@@ -282,11 +329,12 @@ class Server:
             self._http.server_close()
 
 
-def start_server(driver: Driver, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None,
+def start_server(backend: Driver | Router, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None,
                  insecure: bool = False, metrics_port: int | None = None, max_workers: int = 64,
                  **sampling) -> Server:
     """Binds host:port (0 picks a free port) and, with `metrics_port` (0: a free one), the
-    metrics endpoint on the same host, then starts the driver's thread and the server.
+    metrics endpoint on the same host, then starts the server (and a Driver's thread) in
+    front of `backend`: a Driver, or a Router over replicas.
     `token`: what Decode calls must present (module docstring); a non-loopback host needs
     it or `insecure` (ValueError otherwise). OSError naming the address when one cannot be
     bound, before anything starts. `sampling`: temperature, top_k, stop_ids for every
@@ -297,10 +345,10 @@ def start_server(driver: Driver, host: str = "127.0.0.1", port: int = 0, *, toke
     _check_bind(host, port)
     if metrics_port:
         _check_bind(host, metrics_port)
-    metrics = Metrics(driver) if metrics_port is not None else None
+    metrics = Metrics(backend) if metrics_port is not None else None
     # Without so_reuseport a second server on a busy port fails instead of sharing its traffic.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=[("grpc.so_reuseport", 0)])
-    add_service(server, OrchestratorService(driver, token=token, metrics=metrics, **sampling))
+    add_service(server, OrchestratorService(backend, token=token, metrics=metrics, **sampling))
     try:
         bound = server.add_insecure_port(f"{host}:{port}")
     except RuntimeError:
@@ -317,7 +365,8 @@ def start_server(driver: Driver, host: str = "127.0.0.1", port: int = 0, *, toke
             server.stop(None)
             raise OSError(f"cannot serve metrics on {host}:{metrics_port}: {err.strerror or err}") from None
         bound_metrics = http.server_port
-    driver.start()
+    if isinstance(backend, Driver):
+        backend.start()
     server.start()
     return Server(server, bound, metrics, bound_metrics, http)
 
@@ -356,18 +405,22 @@ DEFAULT_MAX_LEN = 2048  # tokens per slot, when the checkpoint allows that many
 
 
 def build_driver(args: argparse.Namespace) -> Driver:
-    import glmjax
-    from rl.engine.engine import GlmEngine
-
+    """The Driver over --checkpoint's model: loaded in --dtype on --mesh, its routed experts
+    quantized when --quantize says so (rl/engine/quant.py), behind a GlmEngine."""
     import jax
 
+    import glmjax
     from glmjax import sharding
+    from rl.engine import quant
+    from rl.engine.engine import GlmEngine
 
     mesh = None
     if args.mesh:  # the serving layout: experts over `expert`, heads / hidden / vocabulary over `tensor`
         mesh = glmjax.make_mesh(**args.mesh, devices=jax.devices()[:math.prod(args.mesh.values())])
     with sharding.use_rules(sharding.DECODE_RULES):
         model = glmjax.from_pretrained(args.checkpoint, dtype=args.dtype, mesh=mesh)
+    if args.quantize:
+        model = quant.quantize(model, args.quantize)
     if args.num_draft and model.mtp is None:
         log.warning("--num-draft %d is ignored: %s has no MTP layer", args.num_draft, args.checkpoint)
     engine = GlmEngine(model, max_concurrent_decodes=args.slots, max_len=args.max_len,
@@ -378,12 +431,32 @@ def build_driver(args: argparse.Namespace) -> Driver:
     return Driver(engine, prefix_cache_size=args.prefix_cache)
 
 
+def build_router(args: argparse.Namespace) -> Router:
+    """The Router over --route's servers: a GrpcReplica each, given --slots requests at a
+    time, sending the router's own token (the replicas share it)."""
+    return Router([GrpcReplica(target, capacity=args.slots, token=args.auth_token) for target in args.route])
+
+
+def start_from_args(args: argparse.Namespace, backend: Driver | Router) -> Server:
+    """start_server with the command line's address, access, metrics and sampling settings."""
+    return start_server(backend, args.host, args.port, token=args.auth_token, insecure=args.insecure,
+                        metrics_port=args.metrics_port, temperature=args.temperature, top_k=args.top_k,
+                        stop_ids=args.stop_ids)
+
+
+QUANTIZE = ("int8", "int4")  # --quantize's choices: rl/engine/quant.py's integer modes
+
+
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="glmjax-serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("--checkpoint", required=True, help="HF-format directory (config.json + safetensors)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", metavar="DIR", help="HF-format directory (config.json + safetensors)")
+    source.add_argument("--route", metavar="HOST:PORT,...",
+                        help="serve no model: route requests to these glmjax-serve replicas, "
+                             "comma-separated HOST:PORT, e.g. 10.0.0.1:9000,10.0.0.2:9000")
     p.add_argument("--host", default="127.0.0.1", help="a non-loopback address needs a token or --insecure")
     p.add_argument("--port", type=int, default=9000)
-    p.add_argument("--slots", type=int, default=8, help="concurrent decodes")
+    p.add_argument("--slots", type=int, default=8, help="concurrent decodes (with --route: each replica's --slots)")
     p.add_argument("--max-len", type=int, default=None,
                    help="tokens per slot: prompt + generated (default 2048, or the checkpoint's "
                         "max_position_embeddings when smaller)")
@@ -394,28 +467,72 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-ids", default="", help="comma-separated token ids that end a response")
     p.add_argument("--prefix-cache", type=int, default=32, help="sessions whose last turn is kept")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--quantize", default=None, choices=QUANTIZE,
+                   help="store the routed experts as int8 (per output channel) or int4 (groups of 32); "
+                        "default: as loaded")
     p.add_argument("--mesh", default="", help="the engine's mesh, e.g. tensor=2,expert=2 (default: one device)")
     p.add_argument("--warmup", action="store_true", help="compile every prefill shape before serving")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics over HTTP on this port (0: a free one)")
     p.add_argument("--auth-token", default=None,
-                   help=f"the token Decode calls must send (default ${TOKEN_ENV}, which ps does not show)")
+                   help=f"the token Decode calls must send (default ${TOKEN_ENV}, which ps does not show); "
+                        "with --route also sent to the replicas")
     p.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without a token")
     return p
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     """The command line, checked against the checkpoint's config.json before any weights
-    load; a bad value is `parser.error` (exit status 2). `auth_token` falls back to
-    $GLMJAX_SERVE_TOKEN and `stop_ids` becomes a tuple of ints."""
+    load (with --route, checked without one); a bad value is `parser.error` (exit status
+    2). `auth_token` falls back to $GLMJAX_SERVE_TOKEN, `stop_ids` becomes a tuple of ints
+    and `route` a list of "host:port"."""
     parser = make_parser()
     args = parser.parse_args(argv)
     args.auth_token = args.auth_token or os.environ.get(TOKEN_ENV) or None
     try:
-        _check_args(args)
+        if args.route is not None:
+            _check_route(args, parser)
+        else:
+            _check_args(args)
     except ValueError as err:
         parser.error(str(err))
     return args
+
+
+# Flags that set up a served model; a router's replicas take them on their own command lines.
+_MODEL_FLAGS = ("max_len", "num_draft", "mtp_mode", "temperature", "top_k", "stop_ids", "prefix_cache", "dtype",
+                "quantize", "mesh", "warmup")
+
+
+def _check_route(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """--route as a list of distinct "host:port", without model flags."""
+    for dest in _MODEL_FLAGS:
+        if getattr(args, dest) != parser.get_default(dest):
+            raise ValueError(f"--{dest.replace('_', '-')} sets up a served model: with --route, give it to each "
+                             "replica's own glmjax-serve --checkpoint command line")
+    targets = [t.strip() for t in args.route.split(",") if t.strip()]
+    for target in targets:
+        host, _, port = target.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) <= 65535:
+            raise ValueError(f"--route {args.route!r}: {target!r} is not HOST:PORT; expected comma-separated "
+                             "replicas, e.g. 10.0.0.1:9000,10.0.0.2:9000")
+    if not targets:
+        raise ValueError(f"--route {args.route!r} names no replica: expected HOST:PORT,HOST:PORT")
+    twice = sorted({t for t in targets if targets.count(t) > 1})
+    if twice:
+        raise ValueError(f"--route lists {', '.join(twice)} more than once: name each replica once")
+    if args.slots < 1:
+        raise ValueError(f"--slots {args.slots} must be >= 1")
+    _check_listen(args)
+    args.route, args.stop_ids = targets, ()
+
+
+def _check_listen(args: argparse.Namespace) -> None:
+    """--port and --metrics-port in range, and --host allowed by the access rule."""
+    for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+        if port is not None and not 0 <= port <= 65535:
+            raise ValueError(f"{flag} {port} must be in [0, 65535]")
+    check_access(args.host, args.auth_token, args.insecure)
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -452,11 +569,12 @@ def _check_args(args: argparse.Namespace) -> None:
     bad = [t for t in args.stop_ids if not 0 <= t < config.vocab_size]
     if bad:
         raise ValueError(f"--stop-ids {bad} lie outside the vocabulary [0, {config.vocab_size})")
-    for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
-        if port is not None and not 0 <= port <= 65535:
-            raise ValueError(f"{flag} {port} must be in [0, 65535]")
     args.mesh = _check_mesh(args.mesh)
-    check_access(args.host, args.auth_token, args.insecure)
+    if args.quantize and args.mesh:
+        raise ValueError(f"--quantize {args.quantize} serves on one device: drop --mesh "
+                         f"{','.join(f'{k}={v}' for k, v in args.mesh.items())} (quantized experts have no "
+                         "sharded layout)")
+    _check_listen(args)
 
 
 def _check_mesh(text: str) -> dict[str, int]:
@@ -482,18 +600,27 @@ def main(argv=None) -> None:
 
     logging.basicConfig(level=logging.INFO)
     args = parse_args(argv)
+    if args.route:
+        backend = build_router(args)
+    else:
+        try:
+            backend = build_driver(args)
+        except (OSError, json.JSONDecodeError, CheckpointMismatch, SafetensorError) as err:
+            make_parser().error(f"--checkpoint {args.checkpoint}: {err}")
     try:
-        driver = build_driver(args)
-    except (OSError, json.JSONDecodeError, CheckpointMismatch, SafetensorError) as err:
-        make_parser().error(f"--checkpoint {args.checkpoint}: {err}")
-    try:
-        server = start_server(driver, args.host, args.port, token=args.auth_token, insecure=args.insecure,
-                              metrics_port=args.metrics_port, temperature=args.temperature, top_k=args.top_k,
-                              stop_ids=args.stop_ids)
+        server = start_from_args(args, backend)
     except OSError as err:
         make_parser().error(str(err))
     metrics = f", metrics on http://{args.host}:{server.metrics_port}/metrics" if server.metrics else ""
-    log.info("glmjax-serve: %s on %s:%d (%d slots%s%s)", args.checkpoint, args.host, server.port, args.slots,
+    if args.route:
+        for replica in backend.replicas:
+            if not replica.running:
+                log.warning("glmjax-serve: replica %s does not answer HealthCheck: its requests fail with "
+                            "UNAVAILABLE until it does", replica.target)
+        what, slots = f"a router over {', '.join(args.route)}", f"{args.slots} slots each"
+    else:
+        what, slots = args.checkpoint, f"{args.slots} slots" + (f", {args.quantize} experts" if args.quantize else "")
+    log.info("glmjax-serve: %s on %s:%d (%s%s%s)", what, args.host, server.port, slots,
              ", token required" if args.auth_token else "", metrics)
     try:
         server.wait()
@@ -501,7 +628,7 @@ def main(argv=None) -> None:
         pass
     finally:
         server.stop(grace=1.0)
-        driver.stop()
+        backend.stop()
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def test_least_loaded_first_and_dispatch_when_capacity_frees():
     assert router.queued == 1  # every slot is taken: it waits in the router, not in a replica
     big.finish()
     assert router.queued == 0 and waiting in big.running  # dispatched the moment a slot freed
-    assert router.in_flight == [2, 4]
+    assert router.in_flight == [2, 4] and (router.active, router.capacity) == (6, 6)
 
 
 def test_longest_budget_order_dispatches_the_largest_budget_first():

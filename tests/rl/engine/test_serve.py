@@ -3,16 +3,19 @@ its Prometheus metrics, its token check, and its one-line errors for bad command
 
 import os
 import shutil
+import socket
 import time
 import types
 import urllib.request
 
 import grpc
+import jax.numpy as jnp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import glmjax
 from rl.engine import jetstream_proto
+from rl.engine import quant
 from rl.engine import serve
 from rl.engine.driver import Request
 from rl.engine.router import GrpcReplica, Router
@@ -227,6 +230,8 @@ def _checkpoint_variant(tmp_path, source, kind):
     ("good", ["--mesh", "expert=2,experts=2"], "--mesh: mesh 'expert=2,experts=2': unknown axis 'experts'"),
     ("good", ["--mesh", "tensor=0"], "--mesh: mesh 'tensor=0': 'tensor=0' must be AXIS=SIZE with a positive size"),
     ("good", ["--mesh", "expert=4,tensor=4"], "--mesh expert=4,tensor=4 needs 16 devices, 8 are available"),
+    ("good", ["--quantize", "int3"], "argument --quantize: invalid choice: 'int3' (choose from 'int8', 'int4')"),
+    ("good", ["--quantize", "int8", "--mesh", "expert=2"], "--quantize int8 serves on one device: drop --mesh expert=2"),
 ])
 def test_bad_command_lines_are_one_line_errors(server, tmp_path, capsys, kind, extra, message):
     if kind == "missing":
@@ -270,3 +275,129 @@ def test_a_mesh_server_streams_the_one_device_greedy_tokens(server):
         client.close()
         srv.stop(grace=None)
         driver.stop()
+
+
+def test_quantize_serves_the_models_experts_quantized_by_quant_py(server):
+    """--quantize int8: the engine holds int8 experts and streams the greedy tokens of
+    quant.quantize(model, "int8"); --quantize int4 loads int4 experts."""
+    argv = ["--checkpoint", str(server.path), "--port", "0", "--slots", "2", "--max-len", str(MAX_LEN)]
+    args = serve.parse_args(argv + ["--quantize", "int8"])
+    driver = serve.build_driver(args)
+    srv = serve.start_from_args(args, driver)
+    client = serve.Client(f"127.0.0.1:{srv.port}")
+    try:
+        experts = driver.engine.weights.latest().state["layers"][1]["mlp"]["experts"]
+        assert all(isinstance(experts[w][...], quant.Quantized) and experts[w][...].values.dtype == jnp.int8
+                   for w in ("gate", "up", "down"))
+        p = prompts([9], seed=9)[0]
+        assert _tokens(client.decode(p, max_tokens=5, timeout=300)) == greedy_reference(
+            quant.quantize(server.model, "int8"), p, 5)
+    finally:
+        client.close()
+        srv.stop(grace=None)
+        driver.stop()
+    int4 = serve.build_driver(serve.parse_args(argv + ["--quantize", "int4"]))
+    assert int4.engine.weights.latest().state["layers"][1]["mlp"]["experts"]["gate"][...].values.dtype == jnp.int4
+
+
+def _wait_until(condition, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_router_over_two_servers_keeps_a_session_on_its_replica(server, monkeypatch):
+    """glmjax-serve --route A,B with $GLMJAX_SERVE_TOKEN, as main starts it: callers need the
+    token and the replicas get it; the stream carries the replicas' greedy tokens; a
+    session's second turn goes back to the replica of its first (B), where its prefix is
+    cached, although A is as idle."""
+    second = serve.build_driver(serve.parse_args(["--checkpoint", str(server.path), "--slots", "2",
+                                                  "--max-len", str(MAX_LEN)]))
+    replica_b = serve.start_server(second, "127.0.0.1", 0, token=TOKEN)
+    drivers = [server.driver, second]
+    targets = [f"127.0.0.1:{server.secured.port}", f"127.0.0.1:{replica_b.port}"]
+    monkeypatch.setenv(serve.TOKEN_ENV, TOKEN)
+    args = serve.parse_args(["--route", ",".join(targets), "--port", "0", "--slots", "2", "--metrics-port", "0"])
+    router = serve.build_router(args)
+    srv = serve.start_from_args(args, router)
+    client = serve.Client(f"127.0.0.1:{srv.port}", token=TOKEN)
+    try:
+        assert client.health()
+        anonymous = serve.Client(f"127.0.0.1:{srv.port}")
+        with pytest.raises(grpc.RpcError) as err:
+            _tokens(anonymous.decode([1, 2], max_tokens=2, timeout=60))
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        anonymous.close()
+        server.driver.pause()  # A holds what it is given, so that the session starts on B
+        held = client.decode(prompts([5], seed=30)[0], max_tokens=3, timeout=300)
+        _wait_until(lambda: router.in_flight == [1, 0])
+        p = prompts([7], seed=31)[0]
+        first = _tokens(client.decode(p, max_tokens=5, session_id="chat", timeout=300))
+        assert router.dispatched == [1, 1]
+        server.driver.resume()
+        assert len(_tokens(held)) == 3
+        _wait_until(lambda: router.active == 0)
+        before = [d.stats["reused_tokens"] for d in drivers]
+        _tokens(client.decode(p + first + [9], max_tokens=3, session_id="chat", timeout=300))
+        assert router.dispatched == [1, 2]  # both idle: least-loaded alone would have picked A
+        assert [d.stats["reused_tokens"] - b for d, b in zip(drivers, before)] == [0, 7 + 5 - 1]
+        direct = serve.Client(targets[1], token=TOKEN)
+        assert first == _tokens(direct.decode(p, max_tokens=5, timeout=300)) == greedy_reference(server.model, p, 5)
+        direct.close()
+        metrics = _scrape(srv)
+        assert metrics[("glmjax_serve_slots", ())] == 4 and metrics[_REQUESTS("ok")] == 3
+        assert metrics[_REQUESTS("unauthenticated")] == 1 and metrics[("glmjax_serve_queue_depth", ())] == 0
+        with pytest.raises(grpc.RpcError) as err:  # the replica's refusal reaches the caller as it is
+            _tokens(client.decode([], max_tokens=2, timeout=60))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt is empty" in err.value.details()
+    finally:
+        server.driver.resume()
+        client.close()
+        srv.stop(grace=None)
+        router.stop()
+        replica_b.stop(grace=None)
+        second.stop()
+
+
+def test_a_replica_that_is_down_fails_each_request_with_unavailable(server):
+    """A router whose only replica does not listen: each Decode ends at once with
+    UNAVAILABLE naming the replica, HealthCheck says not live, and the router keeps serving."""
+    with socket.socket() as probe:  # a port that nothing listens on once the probe closes
+        probe.bind(("127.0.0.1", 0))
+        dead = probe.getsockname()[1]
+    args = serve.parse_args(["--route", f"127.0.0.1:{dead}", "--port", "0"])
+    router = serve.build_router(args)
+    srv = serve.start_from_args(args, router)
+    client = serve.Client(f"127.0.0.1:{srv.port}")
+    try:
+        assert not client.health()
+        for _ in range(2):
+            with pytest.raises(grpc.RpcError) as err:
+                _tokens(client.decode([1, 2, 3], max_tokens=4, timeout=60))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert err.value.details().startswith(f"UNAVAILABLE: replica 127.0.0.1:{dead}: ")
+        assert router.in_flight == [0] and router.queued == 0
+    finally:
+        client.close()
+        srv.stop(grace=None)
+        router.stop()
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "one of the arguments --checkpoint --route is required"),
+    (["--route", "127.0.0.1:9001", "--checkpoint", "DIR"], "argument --checkpoint: not allowed with argument --route"),
+    (["--route", "127.0.0.1"], "--route '127.0.0.1': '127.0.0.1' is not HOST:PORT; expected comma-separated"),
+    (["--route", "h:1,h:x"], "--route 'h:1,h:x': 'h:x' is not HOST:PORT"),
+    (["--route", ","], "--route ',' names no replica"),
+    (["--route", "h:1,h:2,h:1"], "--route lists h:1 more than once"),
+    (["--route", "h:1", "--quantize", "int8"], "--quantize sets up a served model: with --route, give it to each"),
+    (["--route", "h:1", "--max-len", "64"], "--max-len sets up a served model"),
+    (["--route", "h:1", "--slots", "0"], "--slots 0 must be >= 1"),
+    (["--route", "h:1", "--host", "0.0.0.0"], "--host 0.0.0.0 is reachable from other machines"),
+])
+def test_bad_route_command_lines_are_one_line_errors(monkeypatch, capsys, extra, message):
+    monkeypatch.delenv(serve.TOKEN_ENV, raising=False)
+    with pytest.raises(SystemExit) as exit_:
+        serve.parse_args(extra)
+    line = _one_error_line(exit_, capsys)
+    assert line.startswith("glmjax-serve: error: " + message), line
