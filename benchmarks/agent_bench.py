@@ -177,7 +177,9 @@ def main(argv=None) -> dict:
         "median": med, "runs": runs, "cpus": os.cpu_count(),
     }
     pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(args.out).write_text(json.dumps(out, indent=2))
+    import results_io  # benchmarks/results_io.py: keeps the file's findings
+
+    results_io.write(args.out, out)
     print(json.dumps({k: v for k, v in out.items() if k not in ("median", "runs", "config")}, indent=2))
     return out
 

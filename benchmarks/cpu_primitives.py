@@ -148,7 +148,9 @@ def main(argv=None):
                "experts": experts, "top_k": top_k, "loop_body": loop, "fresh_output": fresh, "arms": timed}
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
+    import results_io  # benchmarks/results_io.py: keeps the file's findings
+
+    results_io.write(out, results)
     print(f"wrote {out}")
 
 

@@ -158,7 +158,9 @@ def main(argv=None) -> dict:
         "critic": [train_critic(base, cfg, fit, test_batch, lr, args.steps, seed=0)
                    for lr in (cfg.rl.critic_lr, cfg.rl.critic_lr / 10)],
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}
-    pathlib.Path(args.out).write_text(json.dumps(report, indent=1))
+    import results_io  # benchmarks/results_io.py: keeps the file's findings
+
+    results_io.write(args.out, report, indent=1)
     print(json.dumps({k: v for k, v in report.items() if k != "critic"}, indent=1))
     for c in report["critic"]:
         print(f"critic_lr {c['critic_lr']:g}: explained variance {c['ev_all_tokens']:.3f} "

@@ -290,7 +290,9 @@ def main():
                   f"cpu-time {cpu:.2f}; in FLOPs {report['flops'].get(k, float('nan')):.2f})")
     mem = report["sparse_path_memory_32k"]
     print("sparse path temp bytes at 32k:", {k: v["temp_bytes"] for k, v in mem.items() if isinstance(v, dict)})
-    out.write_text(json.dumps(report, indent=2))
+    import results_io  # benchmarks/results_io.py: keeps the file's findings
+
+    results_io.write(out, report)
     plot(results, out.with_suffix(".png"))
     print(f"wrote {out} and {out.with_suffix('.png')} in {report['wall_seconds']:.0f} s")
 

@@ -456,7 +456,9 @@ def main(argv=None):
     results["load_average_at_end"] = os.getloadavg()[0]
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    import results_io  # benchmarks/results_io.py: keeps the file's findings
+
+    results_io.write(out, results)
     print(f"wrote {out}")
 
 

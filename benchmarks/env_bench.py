@@ -176,7 +176,9 @@ def main(argv=None):
 def _write(path: str, results: dict) -> None:
     out = pathlib.Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
+    import results_io  # benchmarks/results_io.py: keeps the file's findings
+
+    results_io.write(out, results, indent=1)
     print(json.dumps(results, indent=1))
 
 

@@ -255,7 +255,9 @@ def main():
     report = run(args.smoke, args.cases)
     if args.out:
         pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.out).write_text(json.dumps(report, indent=2))
+        import results_io  # benchmarks/results_io.py: keeps the file's findings
+
+        results_io.write(args.out, report)
     failed = [r["case"] for r in report["cases"] if not r["ok"]]
     print(f"{len(report['cases']) - len(failed)}/{len(report['cases'])} match their references "
           f"in {report['seconds']:.0f} s")

@@ -166,7 +166,9 @@ def main():
     print(json.dumps({k: v for k, v in report.items() if k.endswith("speedup")}))
     if args.out:
         pathlib.Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        pathlib.Path(args.out).write_text(json.dumps(report, indent=2))
+        import results_io  # benchmarks/results_io.py: keeps the file's findings
+
+        results_io.write(args.out, report)
 
 
 if __name__ == "__main__":

@@ -114,7 +114,9 @@ def main(argv=None) -> dict:
               "all_meet_plus_50_percent_and_15_points": all(r["meets_plus_50_percent_and_15_points"] for r in runs),
               "notes": "fresh workdirs, one after another on one machine, the compile cache shared",
               "machine": {"cpus": os.cpu_count(), "platform": platform.platform()}}
-    pathlib.Path(args.out).write_text(json.dumps(report, indent=1))
+    import results_io  # benchmarks/results_io.py: keeps the file's findings
+
+    results_io.write(args.out, report, indent=1)
     if not args.workdirs:
         shutil.rmtree(root, ignore_errors=True)
     return report

@@ -24,6 +24,7 @@ import ml_collections
 
 from glmjax import distributed
 from glmjax.presets import load_config
+from rl.config import BaseConfig, DistillConfig, section
 
 
 def get_config(arg=None):
@@ -37,14 +38,12 @@ def get_config(arg=None):
     config.teachers = ml_collections.ConfigDict(dict(
         sorter=dict(family="sorting", difficulty=1, steps=150),
         speller=dict(family="strings", difficulty=1, steps=250, demonstrations=3000)))
-    sft = dict(demonstrations=800, steps=150, batch_size=64, seq_len=24, learning_rate=3e-3, warmup=20,
-               mtp_weight=0.3, seed=0)
-    config.student = ml_collections.ConfigDict(dict(sft, steps=400))  # the shared base: both families
-    config.teacher_sft = ml_collections.ConfigDict(dict(sft, seed=1))  # the base fine-tuned on one family
-    config.opd = ml_collections.ConfigDict(dict(
-        rounds=80, batches_per_round=4, epochs=3, batch_size=32, slots=64, temperature=0.5, kl_coef=0.0,
-        outcome_weight=0.0, distribution="full", topk=16, beta=0.0, dist_weight=1.0, eps_low=0.2, eps_high=4.0,
-        actor_lr=1e-3, warmup=10, grad_clip=1.0, prefetch=True))
+    sft = dict(demonstrations=800, steps=150, seq_len=24)  # rl/config.py: BaseConfig's defaults otherwise
+    config.student = section(BaseConfig, **dict(sft, steps=400))  # the shared base: both families
+    config.teacher_sft = section(BaseConfig, **dict(sft, seed=1))  # the base fine-tuned on one family
+    # 80 rounds of 4 batches of 32 prompts, 3 epochs each, the full-vocabulary forward KL
+    # (rl/config.py: DistillConfig, where every field is described, holds these as its defaults)
+    config.opd = section(DistillConfig)
     # where the job runs (glmjax/distributed.py): --config.mesh.fsdp=4, --config.rules.embed=fsdp, ...
     config.mesh = distributed.mesh_section()
     config.rules = distributed.rules_section()

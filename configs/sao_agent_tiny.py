@@ -21,10 +21,9 @@ user, assistant, observation) are ids above the 256 bytes (glmjax/chat.py).
 
 import os
 
-import ml_collections
-
 from glmjax.chat import ByteChat
 from glmjax.presets import load_config
+from rl.config import EnvConfig, EvalConfig, TaskConfig, section
 
 
 def get_config(arg=None):
@@ -36,19 +35,16 @@ def get_config(arg=None):
     # Attention over the whole episode (every key is in the top-k): a 150-step indexer
     # choosing 16 of 125 keys would decide whether the value in an observation is read.
     config.model.index_topk = 208
-    config.task = ml_collections.ConfigDict(dict(
-        family="lookup", difficulty=1, seed=0, train_tasks=300, eval_tasks=100, max_len=128, max_new_tokens=48,
-        harbor_dir="", augment="", augment_fraction=0.5))
-    config.env = ml_collections.ConfigDict(dict(
-        workers=4, max_turns=4, turn_tokens=40, command_seconds=5.0, episode_seconds=60.0, observation_bytes=256,
-        show_help=False, action_format="bash",
-        # each episode's sandbox: memory and files together, its disk, cores for all its processes
-        memory_mb=2048, disk_mb=1024, cpus=1.0,
-        # no seconds in the status line: the same commands give the same observations, so the
-        # supervised base is the same model in every run of one seed
-        timing=False))
-    # the evaluation matrix on the final weights (envs/evaluate.py): pass@k over held-out tasks
-    config.eval = ml_collections.ConfigDict(dict(matrix_tasks=50, samples=4, ks="1,4"))
+    config.task = section(TaskConfig, family="lookup", difficulty=1, train_tasks=300, eval_tasks=100, max_len=128,
+                          max_new_tokens=48)
+    # Episodes of at most 4 turns of 40 tokens, 5 s per command, in sandboxes of 2 GiB, a
+    # 1 GiB disk and one core (rl/config.py: EnvConfig). No seconds in the status line: the
+    # same commands give the same observations, so the supervised base is the same model in
+    # every run of one seed.
+    config.env = section(EnvConfig, timing=False)
+    # the evaluation matrix on the final weights (envs/evaluate.py): pass@1 and pass@4 over
+    # 50 held-out tasks, 4 episodes each
+    config.eval = section(EvalConfig, matrix_tasks=50)
     config.base.update(demonstrations=1000, steps=150, batch_size=32, seq_len=128)
     # critic_lr: at sao_tiny's 1e-3 the value model learns nothing here (explained variance
     # near 0 after 10,000 episodes); at 3e-4 it starts after about 4,000 episodes. One critic

@@ -11,8 +11,8 @@ trains the language model (glmjax/cli.py). `--config.a.b=value` overrides a fiel
 
 Bad input ends before any work, with the usage line and one `glmjax-train: error: ...`
 naming the file, override, field or workdir that is wrong (exit status 2): everything
-glmjax/cli.py checks, the job's own config checks (`trainer.check_config`,
-`opd_trainer.check_config`), and a workdir whose checkpoints all fail to read. Tracebacks
+glmjax/cli.py checks, the job's own typed config (rl/config.py, through
+`rl.trainer.check_config` and `rl.distill.trainer.check_config`), and a workdir whose checkpoints all fail to read. Tracebacks
 are left for bugs.
 
 Compiled programs are kept in a persistent JAX cache ($GLMJAX_JAX_CACHE, default

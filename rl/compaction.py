@@ -15,7 +15,7 @@ normalises per rollout (`sao.rollout_token_weights`).
     segment 2:  P OPEN 40 ; | 43 46 \\n
     transcript: 13 16 19 22 25 28 31 34 37 40 43 46 \\n -> task.verify
 
-`Rollout` is this as a state machine over driver requests (one `Rollout` without
+`Answer` is this as a state machine over driver requests (one `Answer` without
 compaction is one request); `oracle_segments` replays it on a known answer to make the
 supervised demonstrations, so the base model sees exactly the layout RL produces.
 """

@@ -59,6 +59,31 @@ def build(cls, section, name: str):
     return cls(**kwargs)
 
 
+def section(cls, **values) -> ml_collections.ConfigDict:
+    """A config file's section for `cls`: its defaults, with `values` over them, as the
+    ConfigDict that command-line overrides edit and `build` reads back. Config files state
+    only where they differ from the defaults, which are written once, in these classes."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ValueError(f"{cls.__name__} has no field(s) {unknown}; valid fields: {', '.join(fields)}")
+    out = {}
+    for name, f in fields.items():
+        if name in values:
+            value = values[name]
+        elif f.default is not dataclasses.MISSING:
+            value = f.default
+        else:
+            raise ValueError(f"{cls.__name__}.{name} has no default: give it")
+        if dataclasses.is_dataclass(value):
+            value = section(type(value), **{k.name: getattr(value, k.name) for k in dataclasses.fields(value)})
+        elif isinstance(value, Mapping) and not isinstance(value, ml_collections.ConfigDict):
+            nested = next((t for t in _members(typing.get_type_hints(cls)[name]) if dataclasses.is_dataclass(t)), None)
+            value = section(nested, **value) if nested else ml_collections.ConfigDict(value)
+        out[name] = value
+    return ml_collections.ConfigDict(out)
+
+
 def _members(kind) -> tuple:
     if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
         return typing.get_args(kind)

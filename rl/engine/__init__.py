@@ -8,8 +8,9 @@ Imports `glmjax` and nothing of the learning loop (`rl/`), which imports this pa
     prefix_cache.py     reuse of prompt prefixes' KV across requests
     speculative.py      MTP drafts and their acceptance (speculative decoding)
     quant.py            int8 / int4 weight-only quantisation for serving
-    router.py           Router: requests over replicas, sticky by session
-    serve.py            glmjax-serve: the JetStream Orchestrator gRPC server and its client
+    router.py           Router: requests over replicas (drivers or gRPC servers), sticky by session
+    serve.py            glmjax-serve: the JetStream Orchestrator gRPC server over a driver
+                        (--quantize int8|int4) or a router (--route HOST:PORT,...), and its client
     jetstream_proto.py  the JetStream protocol's messages, built from its descriptor
 """
 
