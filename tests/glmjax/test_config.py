@@ -298,13 +298,3 @@ def test_model_config_from_rejects_an_unknown_field():
         model_config_from({"model": {"hiden_size": 1}})
     with pytest.raises(ValueError, match="hiden_size"):
         model_config_dict(hiden_size=1)
-
-
-def test_the_agentic_jobs_sandbox_limits_come_from_its_env_section():
-    from rl.tasks import sandbox_limits
-
-    config = load_config(CONFIGS / "sao_agent_tiny.py", ["env.disk_mb=256", "env.cpus=0.5"])
-    limits = sandbox_limits(config)
-    assert (limits.wall_seconds, limits.memory_bytes, limits.disk_bytes, limits.cpus) == (5.0, 2 << 30, 256 << 20, 0.5)
-    del config.env["cpus"]
-    assert sandbox_limits(config).cpus == 1.0  # Limits' default where the section does not set it

@@ -99,10 +99,11 @@ def _base(workdir) -> None:
     on one device in this process and cached in workdir/base."""
     from glmjax import presets
     from rl import base_model
+    from rl.config import JobConfig
     from tests.rl.test_trainer import REPO, TWO_LAYERS
 
     overrides = ["base.demonstrations=1000", "base.steps=150", *TWO_LAYERS]  # held out: 25% of 8
-    cfg = presets.load_config(REPO / "configs" / "sao_tiny.py", overrides)
+    cfg = JobConfig.from_config(presets.load_config(REPO / "configs" / "sao_tiny.py", overrides))
     base_model.build_base(cfg, str(workdir))
 
 

@@ -14,7 +14,7 @@ from flax import nnx
 
 from rl import rollout as ro
 from rl.checkpoint import LoopCheckpointer, UnreadableCheckpoints
-from rl.trainer import TaskStream
+from rl.tasks import TaskStream
 
 
 def _kernel(value: float) -> np.ndarray:

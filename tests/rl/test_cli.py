@@ -46,7 +46,7 @@ def _error(capsys, argv, main=cli.main) -> str:
     (SAO, ["--config.model.hidden_size=-3"],
      f"--config {SAO}: ModelConfig.hidden_size=-3 is invalid: expected a positive integer"),
     (SAO, ["--config.rl.algorithm=reinforce"], f"--config {SAO}: rl.algorithm='reinforce' is invalid: expected one of "
-                                               "('sao', 'grpo', 'dapo', 'gspo', 'ppo')"),
+                                               "('sao', 'ppo', 'grpo', 'dapo', 'gspo')"),
     (SAO, ["--config.rl.algorithm=grpo"],
      f"--config {SAO}: rl.algorithm='grpo' compares rollouts of one prompt: set rl.group_size >= 2"),
     (SAO, ["--config.rl.group_size=3"], f"--config {SAO}: rl.batch_size=64 must be a positive multiple of "
