@@ -52,5 +52,6 @@ def get_config(arg=None):
     # passes; 200 steps of 64 then fit in 20 minutes from an empty compile cache and take the
     # held-out pass rate from 30% to 48-51% in three seeds (results/agent_main_job*.json).
     # actor_lr above 1e-4 collapses within 25 steps.
-    config.rl.update(steps=200, batch_size=64, slots=64, actor_lr=5e-5, critic_lr=3e-4, critic_steps=1, validate_every=50)
+    config.rl.update(steps=200, batch_size=64, slots=64, actor_lr=5e-5, critic_lr=3e-4, critic_steps=1,
+                     validate_every=50)
     return config

@@ -108,7 +108,8 @@ def build_base(cfg, workdir: str, demo_tasks=(), mesh=None) -> glmjax.GlmForCaus
     return model
 
 
-def supervised(model: glmjax.GlmForCausalLM, ids, mask, sft: BaseConfig, desc: str = "SFT", mesh=None) -> glmjax.GlmForCausalLM:
+def supervised(model: glmjax.GlmForCausalLM, ids, mask, sft: BaseConfig, desc: str = "SFT",
+               mesh=None) -> glmjax.GlmForCausalLM:
     """`sft.steps` supervised steps on demonstration arrays (ids, loss mask [n, T]), batches
     drawn with `sft.seed`. DSA's sparse stage (glmjax/train.py) by default: the lightning
     indexer learns, from the attention it serves, which keys to keep; a model whose top-k

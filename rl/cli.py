@@ -12,8 +12,8 @@ trains the language model (glmjax/cli.py). `--config.a.b=value` overrides a fiel
 Bad input ends before any work, with the usage line and one `glmjax-train: error: ...`
 naming the file, override, field or workdir that is wrong (exit status 2): everything
 glmjax/cli.py checks, the job's own typed config (rl/config.py, through
-`rl.trainer.check_config` and `rl.distill.trainer.check_config`), and a workdir whose checkpoints all fail to read. Tracebacks
-are left for bugs.
+`rl.trainer.check_config` and `rl.distill.trainer.check_config`), and a workdir whose
+checkpoints all fail to read. Tracebacks are left for bugs.
 
 Compiled programs are kept in a persistent JAX cache ($GLMJAX_JAX_CACHE, default
 ~/.cache/glmjax/jax), so a second run of a job skips the compiles of the first.

@@ -51,17 +51,21 @@ def _stamped(work, ended: list):
 class Collector:
     def __init__(self, driver: Driver, admission: ro.Admission, make_rollout, tasks, *, group_size: int = 1,
                  tau: int = 4, workers: int = 4, env_timeout: float = 600.0, score=None,
-                 shard: tuple[int, int] = (0, 1), dynamic_sampling: bool = False):
+                 shard: tuple[int, int] = (0, 1), dynamic_sampling: bool = False, max_uniform_groups: int = 256):
         """`make_rollout(task, rollout_id)` -> a `rl.rollout.Rollout`; `tasks`: an iterator of
         tasks (this process's share of them with `shard`); `score(task, rollout)` -> the
         reward the learner sees (default: the rollout's); shard: (this process, processes);
-        dynamic_sampling: drop groups whose scored rewards are all equal (DAPO)."""
+        dynamic_sampling: drop groups whose scored rewards are all equal (DAPO);
+        max_uniform_groups such groups in a row stop the job with an error (DAPO's cap on
+        generation batches): every task is solved, or failed, by every sample, and sampling
+        more would go on for ever."""
         if dynamic_sampling and group_size < 2:
             raise ValueError(f"dynamic sampling drops groups whose rewards are all equal: expected group_size >= 2, "
                              f"got {group_size} (a group of one never varies)")
         self.driver, self.admission, self.make_rollout, self.tasks = driver, admission, make_rollout, tasks
         self.group, self.tau, self.env_timeout = group_size, tau, env_timeout
-        self.dynamic_sampling = dynamic_sampling
+        self.dynamic_sampling, self.max_uniform_groups = dynamic_sampling, max_uniform_groups
+        self._uniform_in_a_row = 0
         self.shard = shard
         self.score = score or (lambda task, r: r.reward)
         self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="glmjax-env")
@@ -172,12 +176,19 @@ class Collector:
         members.append(segments)
         if len(members) == self.group:
             kept = sorted((m for m in members if m is not None), key=lambda m: m[0].rollout_id)
+            del self._groups[rid // self.group]
             if kept and self.dynamic_sampling and not sao.dapo_keep_group([m[0].reward for m in kept]):
                 self.dropped["uniform_group"] += len(kept)
                 self.admission.rejected(len(kept))  # its members finished as accepted: their budget is free again
+                self._uniform_in_a_row += 1
+                if self._uniform_in_a_row >= self.max_uniform_groups:
+                    raise RuntimeError(
+                        f"rl.dynamic_sampling dropped {self._uniform_in_a_row} groups in a row whose rewards were all "
+                        f"equal (last: {[m[0].reward for m in kept]}): the policy solves or fails every task alike, "
+                        "so no batch can fill; use harder or easier tasks, or set rl.dynamic_sampling=False")
             elif kept:
+                self._uniform_in_a_row = 0
                 self._ready.append(kept)
-            del self._groups[rid // self.group]
 
     def ready_rollouts(self) -> int:
         return sum(map(len, self._ready))

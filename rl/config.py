@@ -337,7 +337,8 @@ class JobConfig:
     checkpoint_every: int = 10
     raw: Any = dataclasses.field(default=None, compare=False, repr=False)
 
-    SECTIONS = ("model", "task", "base", "rl", "env", "eval", "mesh", "rules", "distributed", "seed", "checkpoint_every")
+    SECTIONS = ("model", "task", "base", "rl", "env", "eval", "mesh", "rules", "distributed", "seed",
+                "checkpoint_every")
 
     @classmethod
     def from_config(cls, cfg: ml_collections.ConfigDict | Mapping) -> JobConfig:
@@ -371,7 +372,8 @@ class JobConfig:
         model, task, rl = self.model, self.task, self.rl
         if self.agentic:
             if self.env is None:
-                raise ValueError("an agentic job (sandboxed tasks) needs an `env` section: see configs/sao_agent_tiny.py")
+                raise ValueError("an agentic job (sandboxed tasks) needs an `env` section: see "
+                                 "configs/sao_agent_tiny.py")
             if model.vocab_size < ByteChat.vocab_size:
                 raise ValueError(f"model.vocab_size={model.vocab_size} has no room for the chat role tokens: "
                                  f"episodes need >= {ByteChat.vocab_size} (glmjax/chat.py)")
@@ -380,7 +382,8 @@ class JobConfig:
                              f"{model.max_position_embeddings}")
         for key in ("num_draft", "mtp_lr"):
             if getattr(rl, key) and not model.num_nextn_predict_layers:
-                raise ValueError(f"rl.{key}={getattr(rl, key)} needs an MTP layer: set model.num_nextn_predict_layers=1")
+                raise ValueError(f"rl.{key}={getattr(rl, key)} needs an MTP layer: set "
+                                 "model.num_nextn_predict_layers=1")
         if task.max_len + rl.num_draft > model.max_position_embeddings:
             raise ValueError(f"task.max_len={task.max_len} + rl.num_draft={rl.num_draft} exceeds "
                              f"model.max_position_embeddings={model.max_position_embeddings}: the engine's cache "

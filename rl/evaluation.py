@@ -83,7 +83,8 @@ def matrix(job, engine: GlmEngine, heldout, workdir: str) -> dict:
     driver = Driver(engine).start()
     try:
         report = evaluate_matrix.evaluate(
-            EngineClient(driver, chat=ByteChat()), categories=["terminal"], tasks={"terminal": heldout[:m.matrix_tasks]},
+            EngineClient(driver, chat=ByteChat()), categories=["terminal"],
+            tasks={"terminal": heldout[:m.matrix_tasks]},
             samples=m.samples, ks=m.k_values, model=os.path.join(workdir, "checkpoints"),
             workers=engine.max_concurrent_decodes, max_turns=e.max_turns, max_tokens=e.turn_tokens,
             temperature=job.rl.temperature, show_help=e.show_help, timing=e.timing,

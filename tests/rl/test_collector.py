@@ -151,3 +151,16 @@ def test_rewards_are_compared_after_scoring_so_a_shaped_reward_can_keep_a_group(
 def test_dynamic_sampling_needs_groups():
     with pytest.raises(ValueError, match="group_size >= 2, got 1"):
         Collector(None, ro.Admission(4, 0, 4), Scripted, _tasks(MIXED), dynamic_sampling=True)
+
+
+def test_dynamic_sampling_stops_with_an_error_when_every_group_is_uniform():
+    """All right, every time: no batch can ever fill, and the collector says so instead of
+    sampling for ever."""
+    collector = Collector(None, ro.Admission(2 * G, eta=0, max_concurrent=2 * G), Scripted, _tasks(RIGHT, WRONG),
+                          group_size=G, workers=2, dynamic_sampling=True, max_uniform_groups=5)
+    try:
+        with pytest.raises(RuntimeError, match=r"dropped 5 groups in a row whose rewards were all equal"):
+            _collect(collector, 2 * G, version=0)
+        assert collector.dropped["uniform_group"] == 5 * G
+    finally:
+        collector.close()
