@@ -6,7 +6,8 @@ totals a resumed run carries over.
         return on_mesh(job.raw, workdir, lambda mesh, rules: _run(job, workdir, mesh, rules))
 
 The RL job (rl/trainer.py) and the distillation job (rl/distill/trainer.py) are each a
-body run by `on_mesh`; they print through `say` and count seconds with `Totals`.
+body run by `on_mesh` and print through `say`; a job that resumes from checkpoints (the RL
+job) counts its seconds across processes with `Totals`.
 """
 
 from __future__ import annotations
