@@ -44,5 +44,5 @@ setup(
         "gpu": [f"jax[cuda12]=={JAX_VERSION}"],
         "tpu": [f"jax[tpu]=={JAX_VERSION}"],
     },
-    entry_points={"console_scripts": ["glmjax-train=rl.cli:main", "glmjax-serve=rl.engine.serve:main", "glmjax-envs=envs.cli:main"]},
+    entry_points={"console_scripts": ["glmjax-train=rl.cli:main", "glmjax-serve=rl.engine.cli:main", "glmjax-envs=envs.cli:main"]},
 )

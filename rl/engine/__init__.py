@@ -9,8 +9,10 @@ Imports `glmjax` and nothing of the learning loop (`rl/`), which imports this pa
     speculative.py      MTP drafts and their acceptance (speculative decoding)
     quant.py            int8 / int4 weight-only quantisation for serving
     router.py           Router: requests over replicas (drivers or gRPC servers), sticky by session
-    serve.py            glmjax-serve: the JetStream Orchestrator gRPC server over a driver
-                        (--quantize int8|int4) or a router (--route HOST:PORT,...), and its client
+    serve.py            the JetStream Orchestrator gRPC service and server over a driver or a
+                        router, and its client
+    cli.py              glmjax-serve: a checkpoint's server (--quantize int8|int4, --mesh, ...)
+                        or a router over servers (--route HOST:PORT,...)
     jetstream_proto.py  the JetStream protocol's messages, built from its descriptor
 """
 

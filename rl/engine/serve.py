@@ -1,10 +1,10 @@
-"""glmjax-serve: JetStream's gRPC protocol (the Orchestrator service of google-jetstream
-0.2.2) in front of the in-process Driver, or of a Router over other glmjax-serve servers.
+"""JetStream's gRPC protocol (the Orchestrator service of google-jetstream 0.2.2) in front
+of the in-process Driver, or of a Router over other glmjax-serve servers.
 
-    glmjax-serve --checkpoint DIR --host 127.0.0.1 --port 9000 [--slots 8 --max-len 2048]
-    GLMJAX_SERVE_TOKEN=... glmjax-serve --checkpoint DIR --host 0.0.0.0 --metrics-port 9100
-    glmjax-serve --checkpoint DIR --quantize int8
-    glmjax-serve --route 10.0.0.1:9000,10.0.0.2:9000 --port 9000 --slots 8
+The command line is rl/engine/cli.py; this module is the service, its server and a client:
+
+    server = start_server(driver_or_router, host, port, token=...)
+    Client(f"127.0.0.1:{server.port}").decode(token_ids, max_tokens)
 
 `Decode(DecodeRequest) -> stream DecodeResponse`: token-in, token-out. The request's
 `token_content.token_ids` is the prompt, `max_tokens` the budget and `session_cache`, when
@@ -15,27 +15,9 @@ tokenizer. Malformed requests (no tokens, too long, ids outside the vocabulary, 
 budget) end with INVALID_ARGUMENT and the server keeps serving; a client that cancels its
 stream frees its slot at the next step. `HealthCheck` answers is_live once the driver runs.
 
-Flags: --checkpoint (HF-format directory) or --route, --host, --port, --slots, --max-len,
---num-draft and --mtp-mode (MTP speculation), --temperature, --top-k, --stop-ids,
---prefix-cache, --dtype, --quantize, --mesh, --warmup, --metrics-port, --auth-token,
---insecure. With `--mesh tensor=2,expert=2` the checkpoint loads sharded onto that many
-devices and the engine decodes on them (experts all-to-all over `expert`, heads and hidden
-over `tensor`, sharding.DECODE_RULES). `--quantize int8|int4` serves the model with its
-routed experts stored as integers (rl/engine/quant.py: int8 per output channel, int4 per
-group of 32), on one device (not with --mesh). A bad value (a checkpoint directory without
-config.json or weights, a --max-len past the model's positions, a --quantize other than
-int8 or int4, a port in use, ...) ends before serving with the usage line and one
-`glmjax-serve: error: ...` naming it, exit status 2.
-
-Routing: `--route HOST:PORT,HOST:PORT` loads no model; the same service hands each Decode
-call to rl/engine/router.py's Router over those servers (a GrpcReplica each, --slots
-requests at a time: their own --slots). The router queues what does not fit, gives work to
-the least loaded replica and sends a session's turns to the replica that holds its prefix.
-The model flags (--max-len, --quantize, --temperature, ...) belong on the replicas' command
-lines and are refused here. A replica that is down fails each request given to it with
-UNAVAILABLE naming it (the router keeps serving); a replica's INVALID_ARGUMENT is passed on
-as is, its other failures become INTERNAL. HealthCheck answers is_live while any replica
-answers its own.
+A Router (rl/engine/router.py) over other glmjax-serve servers takes the Driver's place:
+the same service hands each Decode call to it, and HealthCheck answers is_live while any
+replica answers its own.
 
 Access: with a token (--auth-token, or better $GLMJAX_SERVE_TOKEN, which `ps` does not
 show) every Decode must carry the gRPC metadata `authorization: Bearer <token>` (compared
@@ -63,16 +45,12 @@ Needs the `serve` extra (grpcio, protobuf; prometheus-client for --metrics-port)
 
 from __future__ import annotations
 
-import argparse
 import collections
 import dataclasses
 import hmac
 import ipaddress
 import itertools
-import json
 import logging
-import math
-import os
 import socket
 import threading
 import time
@@ -82,7 +60,7 @@ from typing import Any
 
 from rl.engine import jetstream_proto
 from rl.engine.driver import Driver, Request
-from rl.engine.router import GrpcReplica, Router
+from rl.engine.router import Router
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +130,11 @@ class _DriverCollector(_LoadCollector):
         return (tokens - before) / (now - then) if now > then else 0.0
 
     def collect(self):
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+        from prometheus_client.core import (
+            CounterMetricFamily,
+            GaugeMetricFamily,
+            HistogramMetricFamily,
+        )
 
         yield from super().collect()
         d = self.driver
@@ -399,237 +381,3 @@ class Client:
 
     def close(self) -> None:
         self.channel.close()
-
-
-DEFAULT_MAX_LEN = 2048  # tokens per slot, when the checkpoint allows that many
-
-
-def build_driver(args: argparse.Namespace) -> Driver:
-    """The Driver over --checkpoint's model: loaded in --dtype on --mesh, its routed experts
-    quantized when --quantize says so (rl/engine/quant.py), behind a GlmEngine."""
-    import jax
-
-    import glmjax
-    from glmjax import sharding
-    from rl.engine import quant
-    from rl.engine.engine import GlmEngine
-
-    mesh = None
-    if args.mesh:  # the serving layout: experts over `expert`, heads / hidden / vocabulary over `tensor`
-        mesh = glmjax.make_mesh(**args.mesh, devices=jax.devices()[:math.prod(args.mesh.values())])
-    with sharding.use_rules(sharding.DECODE_RULES):
-        model = glmjax.from_pretrained(args.checkpoint, dtype=args.dtype, mesh=mesh)
-    if args.quantize:
-        model = quant.quantize(model, args.quantize)
-    if args.num_draft and model.mtp is None:
-        log.warning("--num-draft %d is ignored: %s has no MTP layer", args.num_draft, args.checkpoint)
-    engine = GlmEngine(model, max_concurrent_decodes=args.slots, max_len=args.max_len,
-                       num_draft=args.num_draft if model.mtp is not None else 0, mtp_mode=args.mtp_mode, mesh=mesh,
-                       rules=sharding.DECODE_RULES)
-    if args.warmup:
-        engine.warmup()
-    return Driver(engine, prefix_cache_size=args.prefix_cache)
-
-
-def build_router(args: argparse.Namespace) -> Router:
-    """The Router over --route's servers: a GrpcReplica each, given --slots requests at a
-    time, sending the router's own token (the replicas share it)."""
-    return Router([GrpcReplica(target, capacity=args.slots, token=args.auth_token) for target in args.route])
-
-
-def start_from_args(args: argparse.Namespace, backend: Driver | Router) -> Server:
-    """start_server with the command line's address, access, metrics and sampling settings."""
-    return start_server(backend, args.host, args.port, token=args.auth_token, insecure=args.insecure,
-                        metrics_port=args.metrics_port, temperature=args.temperature, top_k=args.top_k,
-                        stop_ids=args.stop_ids)
-
-
-QUANTIZE = ("int8", "int4")  # --quantize's choices: rl/engine/quant.py's integer modes
-
-
-def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="glmjax-serve", description=__doc__.split("\n\n")[0])
-    source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", metavar="DIR", help="HF-format directory (config.json + safetensors)")
-    source.add_argument("--route", metavar="HOST:PORT,...",
-                        help="serve no model: route requests to these glmjax-serve replicas, "
-                             "comma-separated HOST:PORT, e.g. 10.0.0.1:9000,10.0.0.2:9000")
-    p.add_argument("--host", default="127.0.0.1", help="a non-loopback address needs a token or --insecure")
-    p.add_argument("--port", type=int, default=9000)
-    p.add_argument("--slots", type=int, default=8, help="concurrent decodes (with --route: each replica's --slots)")
-    p.add_argument("--max-len", type=int, default=None,
-                   help="tokens per slot: prompt + generated (default 2048, or the checkpoint's "
-                        "max_position_embeddings when smaller)")
-    p.add_argument("--num-draft", type=int, default=0, help="MTP drafts per step (0: plain decoding)")
-    p.add_argument("--mtp-mode", default="own", choices=("own", "shared"))
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--stop-ids", default="", help="comma-separated token ids that end a response")
-    p.add_argument("--prefix-cache", type=int, default=32, help="sessions whose last turn is kept")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-    p.add_argument("--quantize", default=None, choices=QUANTIZE,
-                   help="store the routed experts as int8 (per output channel) or int4 (groups of 32); "
-                        "default: as loaded")
-    p.add_argument("--mesh", default="", help="the engine's mesh, e.g. tensor=2,expert=2 (default: one device)")
-    p.add_argument("--warmup", action="store_true", help="compile every prefill shape before serving")
-    p.add_argument("--metrics-port", type=int, default=None,
-                   help="serve Prometheus metrics over HTTP on this port (0: a free one)")
-    p.add_argument("--auth-token", default=None,
-                   help=f"the token Decode calls must send (default ${TOKEN_ENV}, which ps does not show); "
-                        "with --route also sent to the replicas")
-    p.add_argument("--insecure", action="store_true", help="allow a non-loopback --host without a token")
-    return p
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    """The command line, checked against the checkpoint's config.json before any weights
-    load (with --route, checked without one); a bad value is `parser.error` (exit status
-    2). `auth_token` falls back to $GLMJAX_SERVE_TOKEN, `stop_ids` becomes a tuple of ints
-    and `route` a list of "host:port"."""
-    parser = make_parser()
-    args = parser.parse_args(argv)
-    args.auth_token = args.auth_token or os.environ.get(TOKEN_ENV) or None
-    try:
-        if args.route is not None:
-            _check_route(args, parser)
-        else:
-            _check_args(args)
-    except ValueError as err:
-        parser.error(str(err))
-    return args
-
-
-# Flags that set up a served model; a router's replicas take them on their own command lines.
-_MODEL_FLAGS = ("max_len", "num_draft", "mtp_mode", "temperature", "top_k", "stop_ids", "prefix_cache", "dtype",
-                "quantize", "mesh", "warmup")
-
-
-def _check_route(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """--route as a list of distinct "host:port", without model flags."""
-    for dest in _MODEL_FLAGS:
-        if getattr(args, dest) != parser.get_default(dest):
-            raise ValueError(f"--{dest.replace('_', '-')} sets up a served model: with --route, give it to each "
-                             "replica's own glmjax-serve --checkpoint command line")
-    targets = [t.strip() for t in args.route.split(",") if t.strip()]
-    for target in targets:
-        host, _, port = target.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) <= 65535:
-            raise ValueError(f"--route {args.route!r}: {target!r} is not HOST:PORT; expected comma-separated "
-                             "replicas, e.g. 10.0.0.1:9000,10.0.0.2:9000")
-    if not targets:
-        raise ValueError(f"--route {args.route!r} names no replica: expected HOST:PORT,HOST:PORT")
-    twice = sorted({t for t in targets if targets.count(t) > 1})
-    if twice:
-        raise ValueError(f"--route lists {', '.join(twice)} more than once: name each replica once")
-    if args.slots < 1:
-        raise ValueError(f"--slots {args.slots} must be >= 1")
-    _check_listen(args)
-    args.route, args.stop_ids = targets, ()
-
-
-def _check_listen(args: argparse.Namespace) -> None:
-    """--port and --metrics-port in range, and --host allowed by the access rule."""
-    for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
-        if port is not None and not 0 <= port <= 65535:
-            raise ValueError(f"{flag} {port} must be in [0, 65535]")
-    check_access(args.host, args.auth_token, args.insecure)
-
-
-def _check_args(args: argparse.Namespace) -> None:
-    from glmjax.config import ModelConfig
-
-    path = args.checkpoint
-    if not os.path.isdir(path):
-        raise ValueError(f"--checkpoint {path} {'is not a directory' if os.path.exists(path) else 'does not exist'}")
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"--checkpoint {path} has no config.json: expected a Hugging Face-format directory "
-                         "(config.json + *.safetensors), as glmjax.save_pretrained writes")
-    if not any(f.endswith(".safetensors") for f in os.listdir(path)):
-        raise ValueError(f"--checkpoint {path} has no *.safetensors weights")
-    try:
-        config = ModelConfig.from_hf(path)
-    except (OSError, ValueError, TypeError) as err:  # unreadable or invalid JSON, an unsupported model
-        raise ValueError(f"--checkpoint {path}: config.json: {err}") from None
-    if args.max_len is None:
-        args.max_len = min(DEFAULT_MAX_LEN, config.max_position_embeddings)
-    if not 2 <= args.max_len <= config.max_position_embeddings:
-        raise ValueError(f"--max-len {args.max_len} must be in [2, {config.max_position_embeddings}] "
-                         f"(the checkpoint's max_position_embeddings)")
-    for flag, value, low in (("--slots", args.slots, 1), ("--num-draft", args.num_draft, 0),
-                             ("--prefix-cache", args.prefix_cache, 0), ("--temperature", args.temperature, 0)):
-        if value < low:
-            raise ValueError(f"{flag} {value} must be >= {low}")
-    top_k = min(64, config.vocab_size)  # GlmEngine's max_top_k
-    if not 0 <= args.top_k <= top_k:
-        raise ValueError(f"--top-k {args.top_k} must be in [0, {top_k}]")
-    try:
-        args.stop_ids = tuple(int(t) for t in args.stop_ids.split(",") if t.strip())
-    except ValueError:
-        raise ValueError(f"--stop-ids {args.stop_ids!r} must be comma-separated token ids, e.g. 1,2") from None
-    bad = [t for t in args.stop_ids if not 0 <= t < config.vocab_size]
-    if bad:
-        raise ValueError(f"--stop-ids {bad} lie outside the vocabulary [0, {config.vocab_size})")
-    args.mesh = _check_mesh(args.mesh)
-    if args.quantize and args.mesh:
-        raise ValueError(f"--quantize {args.quantize} serves on one device: drop --mesh "
-                         f"{','.join(f'{k}={v}' for k, v in args.mesh.items())} (quantized experts have no "
-                         "sharded layout)")
-    _check_listen(args)
-
-
-def _check_mesh(text: str) -> dict[str, int]:
-    """--mesh as axis sizes, on no more devices than this process sees."""
-    import jax
-
-    from glmjax import sharding
-
-    try:
-        sizes = sharding.parse_axes(text)
-    except ValueError as err:
-        raise ValueError(f"--mesh: {err}") from None
-    needed, available = math.prod(sizes.values()), len(jax.devices())
-    if needed > available:
-        raise ValueError(f"--mesh {text} needs {needed} devices, {available} are available")
-    return sizes
-
-
-def main(argv=None) -> None:
-    from safetensors import SafetensorError
-
-    from glmjax.hf import CheckpointMismatch
-
-    logging.basicConfig(level=logging.INFO)
-    args = parse_args(argv)
-    if args.route:
-        backend = build_router(args)
-    else:
-        try:
-            backend = build_driver(args)
-        except (OSError, json.JSONDecodeError, CheckpointMismatch, SafetensorError) as err:
-            make_parser().error(f"--checkpoint {args.checkpoint}: {err}")
-    try:
-        server = start_from_args(args, backend)
-    except OSError as err:
-        make_parser().error(str(err))
-    metrics = f", metrics on http://{args.host}:{server.metrics_port}/metrics" if server.metrics else ""
-    if args.route:
-        for replica in backend.replicas:
-            if not replica.running:
-                log.warning("glmjax-serve: replica %s does not answer HealthCheck: its requests fail with "
-                            "UNAVAILABLE until it does", replica.target)
-        what, slots = f"a router over {', '.join(args.route)}", f"{args.slots} slots each"
-    else:
-        what, slots = args.checkpoint, f"{args.slots} slots" + (f", {args.quantize} experts" if args.quantize else "")
-    log.info("glmjax-serve: %s on %s:%d (%s%s%s)", what, args.host, server.port, slots,
-             ", token required" if args.auth_token else "", metrics)
-    try:
-        server.wait()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.stop(grace=1.0)
-        backend.stop()
-
-
-if __name__ == "__main__":
-    main()

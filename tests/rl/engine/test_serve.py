@@ -1,4 +1,4 @@
-"""rl/engine/serve.py: JetStream's Orchestrator protocol on 127.0.0.1, from a checkpoint directory;
+"""rl/engine/serve.py and its command line (rl/engine/cli.py): JetStream's Orchestrator protocol on 127.0.0.1, from a checkpoint directory;
 its Prometheus metrics, its token check, and its one-line errors for bad command lines."""
 
 import os
@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import glmjax
 from rl.engine import jetstream_proto
 from rl.engine import quant
+from rl.engine import cli as serve_cli
 from rl.engine import serve
 from rl.engine.driver import Request
 from rl.engine.router import GrpcReplica, Router
@@ -32,9 +33,9 @@ def server(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny")
     model = glmjax.init_model(TINY, seed=0)
     glmjax.save_pretrained(model, path)
-    args = serve.parse_args(["--checkpoint", str(path), "--host", "127.0.0.1", "--port", "0", "--slots", "2",
+    args = serve_cli.parse_args(["--checkpoint", str(path), "--host", "127.0.0.1", "--port", "0", "--slots", "2",
                              "--max-len", str(MAX_LEN)])
-    driver = serve.build_driver(args)
+    driver = serve_cli.build_driver(args)
     srv = serve.start_server(driver, args.host, args.port, metrics_port=0)
     secured = serve.start_server(driver, "127.0.0.1", 0, token=TOKEN, metrics_port=0)
     client = serve.Client(f"127.0.0.1:{srv.port}")
@@ -172,13 +173,13 @@ def test_a_non_loopback_host_needs_a_token_or_insecure(server, monkeypatch, caps
     argv = ["--checkpoint", str(server.path), "--max-len", str(MAX_LEN), "--host", "0.0.0.0"]
     monkeypatch.delenv(serve.TOKEN_ENV, raising=False)
     with pytest.raises(SystemExit) as exit_:
-        serve.parse_args(argv)
+        serve_cli.parse_args(argv)
     line = _one_error_line(exit_, capsys)
     assert line.startswith("glmjax-serve: error: --host 0.0.0.0 is reachable from other machines: set "
                            "$GLMJAX_SERVE_TOKEN (or --auth-token)") and "or pass --insecure" in line
-    assert serve.parse_args(argv + ["--insecure"]).auth_token is None
+    assert serve_cli.parse_args(argv + ["--insecure"]).auth_token is None
     monkeypatch.setenv(serve.TOKEN_ENV, TOKEN)
-    assert serve.parse_args(argv).auth_token == TOKEN
+    assert serve_cli.parse_args(argv).auth_token == TOKEN
     with pytest.raises(ValueError, match="is reachable from other machines"):
         serve.start_server(server.driver, "0.0.0.0", 0)
     assert serve.is_loopback("localhost") and serve.is_loopback("[::1]") and serve.is_loopback("127.0.0.2")
@@ -247,23 +248,23 @@ def test_bad_command_lines_are_one_line_errors(server, tmp_path, capsys, kind, e
     argv = ["--checkpoint", str(path), "--max-len", str(MAX_LEN), "--slots", "2"]  # the fixture's shapes
     argv += [str(busy) if a == "busy" else a for a in extra]
     with pytest.raises(SystemExit) as exit_:
-        serve.main(argv)
+        serve_cli.main(argv)
     line = _one_error_line(exit_, capsys)
     assert line.startswith("glmjax-serve: error: " + message.format(path=path, busy=busy)), line
 
 
 def test_max_len_defaults_to_the_checkpoint_positions_when_fewer(server):
     """TINY has max_position_embeddings 256 < 2048: without --max-len the server starts with 256."""
-    assert TINY.max_position_embeddings < serve.DEFAULT_MAX_LEN
-    assert serve.parse_args(["--checkpoint", str(server.path)]).max_len == TINY.max_position_embeddings
+    assert TINY.max_position_embeddings < serve_cli.DEFAULT_MAX_LEN
+    assert serve_cli.parse_args(["--checkpoint", str(server.path)]).max_len == TINY.max_position_embeddings
 
 
 def test_a_mesh_server_streams_the_one_device_greedy_tokens(server):
     """--mesh expert=2,tensor=2: the checkpoint loads split over 4 devices (experts over
     `expert`) and the gRPC stream carries the same greedy tokens."""
-    args = serve.parse_args(["--checkpoint", str(server.path), "--port", "0", "--slots", "2", "--max-len",
+    args = serve_cli.parse_args(["--checkpoint", str(server.path), "--port", "0", "--slots", "2", "--max-len",
                              str(MAX_LEN), "--mesh", "expert=2,tensor=2"])
-    driver = serve.build_driver(args)
+    driver = serve_cli.build_driver(args)
     srv = serve.start_server(driver, args.host, args.port)
     client = serve.Client(f"127.0.0.1:{srv.port}")
     try:
@@ -281,9 +282,9 @@ def test_quantize_serves_the_models_experts_quantized_by_quant_py(server):
     """--quantize int8: the engine holds int8 experts and streams the greedy tokens of
     quant.quantize(model, "int8"); --quantize int4 loads int4 experts."""
     argv = ["--checkpoint", str(server.path), "--port", "0", "--slots", "2", "--max-len", str(MAX_LEN)]
-    args = serve.parse_args(argv + ["--quantize", "int8"])
-    driver = serve.build_driver(args)
-    srv = serve.start_from_args(args, driver)
+    args = serve_cli.parse_args(argv + ["--quantize", "int8"])
+    driver = serve_cli.build_driver(args)
+    srv = serve_cli.start_from_args(args, driver)
     client = serve.Client(f"127.0.0.1:{srv.port}")
     try:
         experts = driver.engine.weights.latest().state["layers"][1]["mlp"]["experts"]
@@ -296,7 +297,7 @@ def test_quantize_serves_the_models_experts_quantized_by_quant_py(server):
         client.close()
         srv.stop(grace=None)
         driver.stop()
-    int4 = serve.build_driver(serve.parse_args(argv + ["--quantize", "int4"]))
+    int4 = serve_cli.build_driver(serve_cli.parse_args(argv + ["--quantize", "int4"]))
     assert int4.engine.weights.latest().state["layers"][1]["mlp"]["experts"]["gate"][...].values.dtype == jnp.int4
 
 
@@ -311,15 +312,15 @@ def test_a_router_over_two_servers_keeps_a_session_on_its_replica(server, monkey
     token and the replicas get it; the stream carries the replicas' greedy tokens; a
     session's second turn goes back to the replica of its first (B), where its prefix is
     cached, although A is as idle."""
-    second = serve.build_driver(serve.parse_args(["--checkpoint", str(server.path), "--slots", "2",
+    second = serve_cli.build_driver(serve_cli.parse_args(["--checkpoint", str(server.path), "--slots", "2",
                                                   "--max-len", str(MAX_LEN)]))
     replica_b = serve.start_server(second, "127.0.0.1", 0, token=TOKEN)
     drivers = [server.driver, second]
     targets = [f"127.0.0.1:{server.secured.port}", f"127.0.0.1:{replica_b.port}"]
     monkeypatch.setenv(serve.TOKEN_ENV, TOKEN)
-    args = serve.parse_args(["--route", ",".join(targets), "--port", "0", "--slots", "2", "--metrics-port", "0"])
-    router = serve.build_router(args)
-    srv = serve.start_from_args(args, router)
+    args = serve_cli.parse_args(["--route", ",".join(targets), "--port", "0", "--slots", "2", "--metrics-port", "0"])
+    router = serve_cli.build_router(args)
+    srv = serve_cli.start_from_args(args, router)
     client = serve.Client(f"127.0.0.1:{srv.port}", token=TOKEN)
     try:
         assert client.health()
@@ -365,9 +366,9 @@ def test_a_replica_that_is_down_fails_each_request_with_unavailable(server):
     with socket.socket() as probe:  # a port that nothing listens on once the probe closes
         probe.bind(("127.0.0.1", 0))
         dead = probe.getsockname()[1]
-    args = serve.parse_args(["--route", f"127.0.0.1:{dead}", "--port", "0"])
-    router = serve.build_router(args)
-    srv = serve.start_from_args(args, router)
+    args = serve_cli.parse_args(["--route", f"127.0.0.1:{dead}", "--port", "0"])
+    router = serve_cli.build_router(args)
+    srv = serve_cli.start_from_args(args, router)
     client = serve.Client(f"127.0.0.1:{srv.port}")
     try:
         assert not client.health()
@@ -398,6 +399,6 @@ def test_a_replica_that_is_down_fails_each_request_with_unavailable(server):
 def test_bad_route_command_lines_are_one_line_errors(monkeypatch, capsys, extra, message):
     monkeypatch.delenv(serve.TOKEN_ENV, raising=False)
     with pytest.raises(SystemExit) as exit_:
-        serve.parse_args(extra)
+        serve_cli.parse_args(extra)
     line = _one_error_line(exit_, capsys)
     assert line.startswith("glmjax-serve: error: " + message), line
