@@ -23,6 +23,16 @@ versions: a GrpcReplica's results have log_probs NaN and versions -1, and the se
 sampling settings apply. A GrpcReplica whose server is down or refuses a request finishes
 that request at once with finish_reason "error" and the server's status in `error`.
 
+Replicas that are down: a request that a replica ends with an "UNAVAILABLE: ..." error (a
+GrpcReplica whose server does not answer) marks that replica down. A down replica is given
+no new work, although with nothing in flight it looks least loaded, and a session whose
+home it is moves to a replica that is up, where its prefix is recomputed (correct output
+over cache reuse). Every `backoff` seconds (5) a timer thread asks the down replica's
+`running` (a GrpcReplica: HealthCheck); once it answers, it gets work again. The request
+that found it down keeps its error (its caller may retry), as do those already given to it.
+When every replica is down, a request fails at once with an UNAVAILABLE error naming them
+rather than waiting. Drivers do not end requests with UNAVAILABLE, so they are never down.
+
 The router offers the Driver's serving interface (`submit`, `queued`, `active`,
 `capacity`, `running`, `stop`), so `glmjax-serve --route` serves it as it serves a Driver.
 """
@@ -41,12 +51,18 @@ ORDERS = ("fifo", "longest_budget")
 
 
 class Router:
-    def __init__(self, replicas: Sequence, *, order: str = "fifo", max_sessions: int = 65536):
+    """Requests over `replicas` (module docstring); `backoff`: seconds between the health
+    checks of a replica that is down."""
+
+    def __init__(self, replicas: Sequence, *, order: str = "fifo", max_sessions: int = 65536,
+                 backoff: float = 5.0):
         if not replicas:
             raise ValueError("Router needs at least one replica")
         if order not in ORDERS:
             raise ValueError(f"order={order!r} is invalid: expected one of {ORDERS}")
-        self.order = order
+        if not backoff > 0:
+            raise ValueError(f"backoff={backoff!r} must be > 0 seconds")
+        self.order, self.backoff = order, backoff
         self.replicas = list(replicas)
         self.in_flight = [0] * len(self.replicas)
         self.dispatched = [0] * len(self.replicas)
@@ -55,6 +71,8 @@ class Router:
         self._arrivals = 0
         self._sessions: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._max_sessions = max_sessions
+        self.down: set[int] = set()  # replicas given no work until they answer a health check
+        self._stopped = False
         self._lock = threading.RLock()
 
     def submit(self, request: Request) -> Handle:
@@ -99,14 +117,15 @@ class Router:
 
     def stop(self) -> None:
         """Stops every replica: Drivers' threads end, GrpcReplicas' channels close (their
-        calls in flight finish "cancelled")."""
+        calls in flight finish "cancelled"); down replicas are no longer checked."""
+        self._stopped = True
         for replica in self.replicas:
             replica.stop()
 
     def _choose(self, request: Request) -> int | None:
-        room = [i for i, r in enumerate(self.replicas) if self.in_flight[i] < r.capacity]
+        room = [i for i, r in enumerate(self.replicas) if self.in_flight[i] < r.capacity and i not in self.down]
         home = self._sessions.get(request.session_id) if request.session_id is not None else None
-        if home is not None:
+        if home is not None and home not in self.down:
             return home if home in room else None
         if not room:
             return None
@@ -119,9 +138,13 @@ class Router:
                     self._remove(handle)
                     handle._finish(Result([], [], [], "cancelled", len(handle.request.prompt)))
                     continue
+                if len(self.down) == len(self.replicas):
+                    self._remove(handle)
+                    handle._finish(Result([], [], [], "error", len(handle.request.prompt), error=self._all_down()))
+                    continue
                 i = self._choose(handle.request)
                 if i is None:
-                    if all(n >= r.capacity for n, r in zip(self.in_flight, self.replicas)):
+                    if all(self.in_flight[j] >= r.capacity for j, r in enumerate(self.replicas) if j not in self.down):
                         break
                     continue  # waits for its own replica; later requests may go elsewhere
                 self._remove(handle)
@@ -133,16 +156,43 @@ class Router:
                     self._sessions.move_to_end(sid)
                     if len(self._sessions) > self._max_sessions:
                         self._sessions.popitem(last=False)
-                handle.add_done_callback(lambda _, i=i: self._finished(i))
+                handle.add_done_callback(lambda h, i=i: self._finished(i, h))
                 try:
                     self.replicas[i].submit(handle.request, handle=handle)
                 except ValueError as err:
                     handle._finish(Result([], [], [], "error", len(handle.request.prompt), error=str(err)))
 
-    def _finished(self, i: int) -> None:
+    def _finished(self, i: int, handle: Handle) -> None:
+        error = handle.result().error or ""
         with self._lock:
             self.in_flight[i] -= 1
+            if error.startswith("UNAVAILABLE:") and i not in self.down:
+                self.down.add(i)
+                self._check_later(i)
         self._dispatch()
+
+    def _check_later(self, i: int) -> None:
+        timer = threading.Timer(self.backoff, self._check, args=(i,))
+        timer.daemon = True
+        timer.start()
+
+    def _check(self, i: int) -> None:
+        """The health check of down replica `i`: once it answers, it gets work again;
+        until then it is asked again every `backoff` seconds."""
+        if self._stopped:
+            return
+        up = self.replicas[i].running  # outside the lock: a GrpcReplica may wait 5 s for its answer
+        with self._lock:
+            if not up:
+                self._check_later(i)
+                return
+            self.down.discard(i)
+        self._dispatch()
+
+    def _all_down(self) -> str:
+        names = ", ".join(str(getattr(r, "target", f"#{i}")) for i, r in enumerate(self.replicas))
+        return (f"UNAVAILABLE: every replica is down: {names} (each failed with UNAVAILABLE and gets work again "
+                f"once it answers a health check, asked every {self.backoff:g} s)")
 
 
 class GrpcReplica:
@@ -161,12 +211,12 @@ class GrpcReplica:
 
     @property
     def running(self) -> bool:
-        """Whether the server answers HealthCheck as live within 5 s."""
+        """Whether the server answers HealthCheck as live within 5 s (False once stopped)."""
         import grpc
 
         try:
             return self.client.health(timeout=5.0)
-        except grpc.RpcError:
+        except (grpc.RpcError, ValueError):  # ValueError: the channel is closed
             return False
 
     def stop(self) -> None:

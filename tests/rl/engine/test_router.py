@@ -1,4 +1,7 @@
-"""rl/engine/router.py: dispatch when capacity frees, least loaded first, session affinity."""
+"""rl/engine/router.py: dispatch when capacity frees, least loaded first, session affinity,
+no work for a replica that is down until it answers a health check."""
+
+import time
 
 import glmjax
 from rl.engine.driver import Driver, Handle, Request, Result
@@ -8,19 +11,34 @@ from tests.engine_util import TINY, greedy_reference, prompts
 
 
 class FakeReplica:
-    """Holds what it is given until the test finishes it."""
+    """Holds what it is given until the test finishes or fails it; `running` (its health
+    check) answers `up`."""
 
-    def __init__(self, capacity):
-        self.capacity, self.running = capacity, []
+    def __init__(self, capacity, target="fake"):
+        self.capacity, self.target, self.held, self.up = capacity, target, [], True
+
+    @property
+    def running(self):
+        return self.up
 
     def submit(self, request, handle=None):
         handle = handle or Handle(request)
-        self.running.append(handle)
+        self.held.append(handle)
         return handle
 
     def finish(self, index=0):
-        handle = self.running.pop(index)
+        handle = self.held.pop(index)
         handle._finish(Result([7], [0.0], [0], "length", len(handle.request.prompt)))
+        return handle
+
+    def stop(self):
+        pass
+
+    def fail(self, index=0):
+        """Ends a request as a GrpcReplica whose server went down does."""
+        handle = self.held.pop(index)
+        handle._finish(Result([], [], [], "error", len(handle.request.prompt),
+                              error=f"UNAVAILABLE: replica {self.target}: failed to connect to all addresses"))
         return handle
 
 
@@ -34,11 +52,11 @@ def test_least_loaded_first_and_dispatch_when_capacity_frees():
     for _ in range(6):
         router.submit(_req())
     # by load ratio: small 0/2, big 0/4 -> small; then big (0 < .5), big (.25 < .5), small/big ...
-    assert (len(small.running), len(big.running)) == (2, 4) and router.queued == 0
+    assert (len(small.held), len(big.held)) == (2, 4) and router.queued == 0
     waiting = router.submit(_req())
     assert router.queued == 1  # every slot is taken: it waits in the router, not in a replica
     big.finish()
-    assert router.queued == 0 and waiting in big.running  # dispatched the moment a slot freed
+    assert router.queued == 0 and waiting in big.held  # dispatched the moment a slot freed
     assert router.in_flight == [2, 4] and (router.active, router.capacity) == (6, 6)
 
 
@@ -49,7 +67,7 @@ def test_longest_budget_order_dispatches_the_largest_budget_first():
     for n in (3, 9, 5, 9):
         router.submit(Request([n], n))
     order = []
-    while replica.running:
+    while replica.held:
         order.append(replica.finish().request.max_new_tokens)
     assert order == [2, 9, 9, 5, 3]  # equal budgets keep their arrival order
     replica = FakeReplica(1)
@@ -64,28 +82,28 @@ def test_least_loaded_prefers_the_emptier_replica():
     router = Router([a, b])
     for _ in range(3):
         router.submit(_req())
-    assert (len(a.running), len(b.running)) == (2, 1)
+    assert (len(a.held), len(b.held)) == (2, 1)
     a.finish()
     a.finish()
     router.submit(_req())
-    assert (len(a.running), len(b.running)) == (1, 1)
+    assert (len(a.held), len(b.held)) == (1, 1)
 
 
 def test_session_affinity_returns_to_the_replica_with_the_prefix():
     a, b = FakeReplica(2), FakeReplica(2)
     router = Router([a, b])
     first = router.submit(_req("s"))
-    assert first in a.running
+    assert first in a.held
     a.finish()
     router.submit(_req())  # a and b tie: a
     turn2 = router.submit(_req("s"))
-    assert turn2 in a.running  # b is emptier, but the session goes home
+    assert turn2 in a.held  # b is emptier, but the session goes home
     blocked = router.submit(_req("s"))
     assert router.queued == 1  # its replica is full: it waits rather than recompute its prefix on b
     other = router.submit(_req())
-    assert other in b.running and router.queued == 1  # the request behind it is not held up
+    assert other in b.held and router.queued == 1  # the request behind it is not held up
     a.finish()
-    assert blocked in a.running and router.queued == 0
+    assert blocked in a.held and router.queued == 0
 
 
 def test_cancel_while_queued_in_the_router():
@@ -96,8 +114,52 @@ def test_cancel_while_queued_in_the_router():
     queued.cancel()
     assert queued.result(timeout=0).finish_reason == "cancelled" and router.queued == 0
     a.finish()
-    assert a.running == []
+    assert a.held == []
 
+
+def _wait_until(condition, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_a_replica_down_gets_no_work_until_its_health_check_answers():
+    """The replica that fails with UNAVAILABLE gets nothing more, although it is the emptier
+    one; its session moves; once its health check answers, the queued request goes to it."""
+    a, b = FakeReplica(2, "a"), FakeReplica(2, "b")
+    router = Router([a, b], backoff=0.05)
+    failed = router.submit(_req("s"))  # a and b tie: a
+    a.up = False
+    a.fail()
+    assert failed.result(timeout=0).error.startswith("UNAVAILABLE: replica a: ") and router.down == {0}
+    moved = router.submit(_req("s"))
+    fresh = router.submit(_req("t"))
+    assert moved in b.held and fresh in b.held and router._sessions["s"] == 1  # its prefix is recomputed on b
+    waiting = router.submit(_req())
+    time.sleep(0.3)  # several back-offs: each health check finds a still down
+    assert router.queued == 1 and a.held == [] and router.down == {0} and router.dispatched == [1, 2]
+    a.up = True
+    assert _wait_until(lambda: a.held == [waiting])  # the check's own dispatch gives it the queued request
+    assert not router.down and router.queued == 0 and router.dispatched == [2, 2]
+
+
+def test_when_every_replica_is_down_requests_fail_at_once_naming_them():
+    a, b = FakeReplica(1, "10.0.0.1:9000"), FakeReplica(1, "10.0.0.2:9000")
+    a.up = b.up = False
+    router = Router([a, b], backoff=60.0)
+    router.submit(_req())
+    router.submit(_req())
+    queued = router.submit(_req())
+    a.fail()
+    assert router.queued == 1 and not queued.done()  # b is full, not down: it waits for b
+    b.fail()
+    message = "UNAVAILABLE: every replica is down: 10.0.0.1:9000, 10.0.0.2:9000 ("
+    assert queued.result(timeout=0).error.startswith(message) and router.queued == 0
+    late = router.submit(_req("s"))
+    assert late.result(timeout=0).finish_reason == "error" and late.result().error.startswith(message)
+    assert router.dispatched == [1, 1] and router.in_flight == [0, 0]
+    router.stop()  # the health checks still pending do nothing
 
 def test_router_over_two_in_process_engines():
     """Two Driver threads behind one router: greedy outputs are right, work is spread, and

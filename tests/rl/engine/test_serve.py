@@ -360,24 +360,71 @@ def test_a_router_over_two_servers_keeps_a_session_on_its_replica(server, monkey
         second.stop()
 
 
-def test_a_replica_that_is_down_fails_each_request_with_unavailable(server):
-    """A router whose only replica does not listen: each Decode ends at once with
-    UNAVAILABLE naming the replica, HealthCheck says not live, and the router keeps serving."""
-    with socket.socket() as probe:  # a port that nothing listens on once the probe closes
+def _free_ports(n: int) -> list[int]:
+    """`n` distinct ports that nothing listens on once the probes close."""
+    probes = [socket.socket() for _ in range(n)]
+    for probe in probes:
         probe.bind(("127.0.0.1", 0))
-        dead = probe.getsockname()[1]
-    args = serve_cli.parse_args(["--route", f"127.0.0.1:{dead}", "--port", "0"])
+    ports = [probe.getsockname()[1] for probe in probes]
+    for probe in probes:
+        probe.close()
+    return ports
+
+
+def test_a_router_moves_work_off_a_dead_replica_and_back_once_it_listens(server):
+    """A router over an address where nothing listens (first, so that it wins ties) and the
+    live server: after the first request fails, every request, a new session and the
+    failed one's session too, gets the live server's greedy tokens, and the dead replica
+    gets nothing through several back-offs; once a server listens there, it gets work again."""
+    (port,) = _free_ports(1)
+    dead, live = f"127.0.0.1:{port}", f"127.0.0.1:{server.server.port}"
+    router = Router([GrpcReplica(dead, capacity=2), GrpcReplica(live, capacity=2)], backoff=0.2)
+    revived = None
+    try:
+        p = prompts([7] * 4, seed=40)  # one length: one compile of the reference
+        failed = router.submit(Request(p[0], 5, session_id="chat")).result(timeout=60)
+        assert failed.finish_reason == "error" and failed.error.startswith(f"UNAVAILABLE: replica {dead}: ")
+        _wait_until(lambda: router.active == 0)
+        assert router.down == {0}
+        for prompt, session in ((p[0], "chat"), (p[1], "new"), (p[2], None)):
+            result = router.submit(Request(prompt, 5, session_id=session)).result(timeout=300)
+            assert result.tokens == _tokens(server.client.decode(prompt, max_tokens=5, timeout=300)) \
+                == greedy_reference(server.model, prompt, 5)
+            _wait_until(lambda: router.active == 0)
+        time.sleep(0.6)  # three back-offs: each health check finds nothing listening
+        assert router.down == {0} and router.dispatched == [1, 3]
+        revived = serve.start_server(server.driver, "127.0.0.1", port)
+        _wait_until(lambda: not router.down)  # gRPC's own reconnect back-off takes a second or two
+        assert not router.down
+        result = router.submit(Request(p[3], 5)).result(timeout=300)
+        assert router.dispatched == [2, 3] and result.tokens == greedy_reference(server.model, p[3], 5)
+    finally:
+        router.stop()
+        if revived is not None:
+            revived.stop(grace=None)
+
+
+def test_when_every_replica_is_down_each_request_fails_at_once_with_unavailable(server):
+    """A router whose replicas do not listen: each Decode ends at once with UNAVAILABLE
+    naming its replica, and once each has failed, naming them all (none is tried again
+    before its health check answers); HealthCheck says not live; the router keeps serving."""
+    dead = [f"127.0.0.1:{port}" for port in _free_ports(2)]
+    args = serve_cli.parse_args(["--route", ",".join(dead), "--port", "0"])
     router = serve_cli.build_router(args)
     srv = serve_cli.start_from_args(args, router)
     client = serve.Client(f"127.0.0.1:{srv.port}")
     try:
         assert not client.health()
-        for _ in range(2):
+        for expected in (f"UNAVAILABLE: replica {dead[0]}: ", f"UNAVAILABLE: replica {dead[1]}: ",
+                         f"UNAVAILABLE: every replica is down: {dead[0]}, {dead[1]} (",
+                         f"UNAVAILABLE: every replica is down: {dead[0]}, {dead[1]} ("):
+            start = time.monotonic()
             with pytest.raises(grpc.RpcError) as err:
                 _tokens(client.decode([1, 2, 3], max_tokens=4, timeout=60))
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-            assert err.value.details().startswith(f"UNAVAILABLE: replica 127.0.0.1:{dead}: ")
-        assert router.in_flight == [0] and router.queued == 0
+            assert time.monotonic() - start < 5.0
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and err.value.details().startswith(expected)
+            _wait_until(lambda: router.active == 0)  # the router has seen the failure
+        assert router.dispatched == [1, 1] and router.in_flight == [0, 0] and router.queued == 0
     finally:
         client.close()
         srv.stop(grace=None)
