@@ -22,9 +22,10 @@ call to rl/engine/router.py's Router over those servers (a GrpcReplica each, --s
 requests at a time: their own --slots). The router queues what does not fit, gives work to
 the least loaded replica and sends a session's turns to the replica that holds its prefix.
 The model flags (--max-len, --quantize, --temperature, ...) belong on the replicas' command
-lines and are refused here. A replica that is down fails each request given to it with
-UNAVAILABLE naming it (the router keeps serving); a replica's INVALID_ARGUMENT is passed on
-as is, its other failures become INTERNAL. HealthCheck answers is_live while any replica
+lines and are refused here. A replica that fails a request with UNAVAILABLE (down) gets no
+new work, its sessions move to the others, until its health check answers again; with
+every replica down a request fails at once with UNAVAILABLE naming them. A replica's
+INVALID_ARGUMENT is passed on as is, its other failures become INTERNAL. HealthCheck answers is_live while any replica
 answers its own.
 """
 

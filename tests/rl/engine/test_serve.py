@@ -14,10 +14,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 import glmjax
-from rl.engine import jetstream_proto
-from rl.engine import quant
 from rl.engine import cli as serve_cli
-from rl.engine import serve
+from rl.engine import jetstream_proto, quant, serve
 from rl.engine.driver import Request
 from rl.engine.router import GrpcReplica, Router
 from tests.engine_util import TINY, greedy_reference, prompts
