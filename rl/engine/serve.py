@@ -361,7 +361,9 @@ class Client:
         import grpc
 
         self.pb = jetstream_proto.load()
-        self.channel = grpc.insecure_channel(target)
+        # gRPC waits up to 120 s between reconnects by default: a server back after an
+        # outage would answer its health checks only that long after
+        self.channel = grpc.insecure_channel(target, options=[("grpc.max_reconnect_backoff_ms", 5000)])
         self._metadata = (("authorization", f"Bearer {token}"),) if token is not None else None
         self._decode = self.channel.unary_stream(jetstream_proto.DECODE,
                                                  request_serializer=self.pb.DecodeRequest.SerializeToString,
