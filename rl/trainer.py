@@ -109,7 +109,7 @@ def _run(job: JobConfig, workdir: str, make_rollout, mesh) -> dict:
         loop.publish()
         metrics.update(loop.measure(batch))
         metrics.update(loop.validate())
-        loop.log(batch, metrics)
+        loop.log(metrics)
         loop.checkpoint()
     loop.stop()
     return loop.finish()
@@ -291,7 +291,8 @@ class Loop:
         self.driver.resume()
         return metrics
 
-    def log(self, batch: list, metrics: dict) -> None:
+    def log(self, metrics: dict) -> None:
+        """The step's row: metrics.jsonl, TensorBoard and the progress bar (process 0's)."""
         row = {"version": self.store.version, "time": time.time() - self.started,
                "tasks": [tr.task_id for tr in self.last]}
         self.logs.step(self.step, row, metrics, self.staleness)
