@@ -74,6 +74,7 @@ class Router:
         self.down: set[int] = set()  # replicas given no work until they answer a health check
         self._stopped = False
         self._lock = threading.RLock()
+        self._dispatching = self._again = False  # a dispatch re-entered from its own callbacks
 
     def submit(self, request: Request) -> Handle:
         validate = getattr(self.replicas[0], "validate", None)
@@ -132,6 +133,23 @@ class Router:
         return min(room, key=lambda i: (self.in_flight[i] / self.replicas[i].capacity, self.in_flight[i]))
 
     def _dispatch(self) -> None:
+        """Hands queued requests to replicas with room. A request that finishes while being
+        dispatched (refused at submit) calls back into here from inside the loop: that call
+        only asks for another pass, so that the loop never walks a queue another pass changed."""
+        with self._lock:
+            if self._dispatching:
+                self._again = True
+                return
+            self._dispatching = True
+            try:
+                self._again = True
+                while self._again:
+                    self._again = False
+                    self._dispatch_pass()
+            finally:
+                self._dispatching = False
+
+    def _dispatch_pass(self) -> None:
         with self._lock:
             for handle in list(self._queue):
                 if handle.cancelled:

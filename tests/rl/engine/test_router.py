@@ -1,6 +1,7 @@
 """rl/engine/router.py: dispatch when capacity frees, least loaded first, session affinity,
 no work for a replica that is down until it answers a health check."""
 
+import threading
 import time
 
 import glmjax
@@ -182,3 +183,38 @@ def test_router_over_two_in_process_engines():
     finally:
         for d in drivers:
             d.stop()
+
+
+class Picky(FakeReplica):
+    """Refuses a request whose budget is 99 at submit, as an engine refuses one too long."""
+
+    def submit(self, request, handle=None):
+        if request.max_new_tokens == 99:
+            raise ValueError("prompt + budget exceed the engine's max_len")
+        return super().submit(request, handle)
+
+
+def test_a_refused_request_among_waiting_ones_dispatches_each_once(monkeypatch):
+    """A request the replica refuses at submit finishes inside the router's dispatch, and its
+    callback dispatches again; the waiting requests still go out once each, and the thread
+    that dispatched raises nothing."""
+    raised = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(args.exc_value))
+    picky, busy = Picky(4), FakeReplica(1)
+    router = Router([picky, busy], backoff=0.05)
+    router.submit(_req())
+    router.submit(_req())
+    assert (len(picky.held), len(busy.held)) == (1, 1)
+    picky.up = False
+    picky.fail()  # down until its health check answers
+    refused, waiting = router.submit(Request([1, 2, 3], 99)), router.submit(_req())
+    assert router.queued == 2  # the one replica up is full
+    picky.up = True
+    deadline = time.time() + 5.0
+    while router.queued and time.time() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)  # the timer thread's dispatch has returned
+    assert "exceed the engine's max_len" in refused.result().error
+    assert picky.held.count(waiting) == 1 and waiting not in busy.held
+    assert raised == [] and router.queued == 0
+    router.stop()
