@@ -232,16 +232,23 @@ def test_prefetch_never_holds_more_than_two_teachers_in_host_memory(saved_teache
     assert len(alive) >= len(set(order)) and peak[0] <= 2
 
 
+def _student_batch(seed: int, rows: int, length: int = 10, prompt: int = 4):
+    """A fresh student, random tokens [rows, length] whose first `prompt` are the prompt,
+    the student's own log-probs of them, and the learner batch of them (zero rewards)."""
+    tokens = _tokens(seed=seed, b=rows, t=length)
+    mask = jnp.asarray(np.arange(length)[None, :] >= prompt, jnp.float32) * jnp.ones((rows, 1))
+    student = glmjax.init_model(CONFIG, seed=0)
+    logp, _ = token_logprobs(student, tokens)
+    batch = sao.Batch(tokens=tokens, action_mask=mask, logp_rollout=logp, versions=jnp.zeros((rows, length), jnp.int32),
+                      rewards=jnp.zeros(rows), values=jnp.zeros((rows, length)), rollout_id=jnp.arange(rows),
+                      segment_index=jnp.zeros(rows, jnp.int32))
+    return student, tokens, mask, logp, batch
+
+
 @pytest.mark.parametrize("distribution", ["topk", "full"])
 def test_distill_step_lowers_the_distribution_kl(saved_teachers, distribution):
     registry, models = saved_teachers
-    tokens = _tokens(seed=1, b=4, t=10)
-    mask = jnp.asarray(np.arange(10)[None, :] >= 4, jnp.float32) * jnp.ones((4, 1))
-    student = glmjax.init_model(CONFIG, seed=0)
-    logp, _ = token_logprobs(student, tokens)
-    batch = sao.Batch(tokens=tokens, action_mask=mask, logp_rollout=logp, versions=jnp.zeros((4, 10), jnp.int32),
-                      rewards=jnp.zeros(4), values=jnp.zeros((4, 10)), rollout_id=jnp.arange(4),
-                      segment_index=jnp.zeros(4, jnp.int32))
+    student, tokens, mask, _, batch = _student_batch(seed=1, rows=4)
     teacher = teachers.score(models["sorter"], tokens, topk=8 if distribution == "topk" else 0,
                              full=distribution == "full")[1:]
     cfg = RLConfig(algorithm="sao", eps_low=0.2, eps_high=4.0, actor_lr=3e-3, grad_clip=1.0, temperature=1.0)
@@ -267,13 +274,7 @@ def test_distill_step_lowers_the_distribution_kl(saved_teachers, distribution):
 
 
 def test_learner_step_with_opd_advantages_moves_the_sampled_tokens():
-    tokens = _tokens(seed=2, b=2, t=10)
-    mask = jnp.asarray(np.arange(10)[None, :] >= 4, jnp.float32) * jnp.ones((2, 1))
-    student = glmjax.init_model(CONFIG, seed=0)
-    logp0, _ = token_logprobs(student, tokens)
-    batch = sao.Batch(tokens=tokens, action_mask=mask, logp_rollout=logp0, versions=jnp.zeros((2, 10), jnp.int32),
-                      rewards=jnp.zeros(2), values=jnp.zeros((2, 10)), rollout_id=jnp.arange(2),
-                      segment_index=jnp.zeros(2, jnp.int32))
+    student, tokens, mask, logp0, batch = _student_batch(seed=2, rows=2)
     # The teacher likes row 0's tokens more than the student does and row 1's less.
     adv = opd.advantages(logp0, logp0 + jnp.asarray([[1.0], [-1.0]]), mask)
     cfg = RLConfig(algorithm="sao", eps_low=0.2, eps_high=4.0, actor_lr=1e-3, grad_clip=1.0, temperature=1.0)
