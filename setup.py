@@ -27,6 +27,12 @@ setup(
         "ml-collections==1.1.0",
         "tensorboardX==2.6.5",
         "safetensors>=0.4",
+        # a checkpoint's tokenizer and chat template (base.checkpoint, glmjax-serve --http-port)
+        "transformers>=5.24,<6",
+        "tokenizers>=0.22",
+        "jinja2",
+        # the `math` verifier's expression equivalence (envs/verifiers.py)
+        "sympy>=1.12",
         "numpy>=2.0",
         "tqdm",
         "matplotlib",

@@ -58,11 +58,12 @@ def job_config(parser: argparse.ArgumentParser, argv=None, check=None):
         parser.error(f"--config: {err}")
     except ValueError as err:  # get_config's own rejections and the overrides'
         parser.error(f"--config {args.config}: {err}")
-    if "model" not in cfg:
+    if "model" not in cfg and check is None:
         parser.error(f"--config {args.config}: the config has no `model` section")
     try:
-        presets.model_config_from(cfg)
-        if check is not None:
+        if check is None:
+            presets.model_config_from(cfg)
+        else:  # the job reads its model itself (from `model`, or from a checkpoint it names)
             check(cfg)
     except (TypeError, ValueError) as err:
         parser.error(f"--config {args.config}: {err}")

@@ -9,7 +9,7 @@ writes, with transformers' own classes and a tokenizer trained here with `tokeni
                                          a dense layer then MoE layers), random weights
     generation_config.json               the stop tokens (<|endoftext|>, <|user|>, <|observation|>)
     tokenizer.json, tokenizer_config.json, chat_template.jinja
-                                         byte-level BPE trained on the task families' text, GLM's role
+                                         byte-level BPE trained on `corpus()` (and --corpus files), GLM's role
                                          and tool-call tokens, and `GLM_STYLE_TEMPLATE`
 
 `GLM_STYLE_TEMPLATE` renders conversations the way GLM-4.5 / GLM-5 do: ``[gMASK]<sop>``, one
@@ -70,25 +70,31 @@ MODEL = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, nu
              index_topk_freq=2, index_skip_topk_offset=1, max_position_embeddings=1024, tie_word_embeddings=False)
 
 
-def corpus() -> Iterator[str]:
-    """Text like what the model will read and write: the text families' prompts and answers,
-    the sandboxed families' instructions and commands as GLM tool calls, tool results."""
-    from envs import families
-    from envs.base import parse_action
+_WORDS = ("the value of in to write read file files list sort count from by and or not answer question what is "
+          "how many find print run command output error exit test tests task done ok yes no key name path dir "
+          "directory line lines first last number numbers sum total result results check fix bug code function "
+          "return def import for if else while true false none self class value values kv ans app tmp etc home "
+          "ivy oak elm ash fir gray blue red green gold pink teal").split()
+_COMMANDS = ("ls", "ls -la", "cat {w}", "grep {w}= {v}", "echo {v} >{w}", "wc -l {w}", "head -n {n} {w}",
+             "sort -n {w}", "python3 -c 'print({n}+{n})'", "cd /{w} && ls", "find . -name {w}", "cat /app/{w}")
 
-    for family in sorted(families.TEXT):
-        for task in families.make_tasks(family, 400, seed=0, difficulty=None):
-            yield task.prompt + task.oracle()
-    for family in ("lookup", "terminal", "security"):  # code_repair's tasks take seconds each to make
-        for task in families.make_tasks(family, 60, seed=0, difficulty=None):
-            yield task.instruction
-            for action in task.metadata.get("demonstration") or ():
-                parsed = parse_action(action)
-                for command in parsed.commands:
-                    yield f"<tool_call>bash\n<arg_key>command</arg_key>\n<arg_value>{command}</arg_value>\n</tool_call>"
-                yield "\n<tool_response>\n[exit 0, 0.01s]\n</tool_response>"
-                if parsed.submit:
-                    yield "<tool_call>submit\n</tool_call>"
+
+def corpus(lines: int = 6000, seed: int = 0) -> Iterator[str]:
+    """Text like what a small agent reads and writes: English words, arithmetic, lists,
+    shell commands as GLM tool calls, their results."""
+    import random
+
+    rng = random.Random(seed)
+    for _ in range(lines // 3):
+        words = rng.sample(_WORDS, rng.randint(4, 12))
+        yield " ".join(words).capitalize() + rng.choice((".", "?", ":", "="))
+        a, b = rng.randint(0, 999), rng.randint(0, 99)
+        yield rng.choice((f"{a}+{b}={a + b}", f"{a}-{b}={a - b}", f"{a}*{b}={a * b}",
+                          "sort " + " ".join(str(rng.randint(0, 99)) for _ in range(5)) + "=",
+                          f"What is {a} plus {b}? {a + b}"))
+        command = rng.choice(_COMMANDS).format(w=rng.choice(_WORDS), v=rng.choice(_WORDS), n=rng.randint(1, 20))
+        yield (f"<tool_call>bash\n<arg_key>command</arg_key>\n<arg_value>{command}</arg_value>\n</tool_call>"
+               f"\n<tool_response>\n{rng.choice(_WORDS)}={rng.choice(_WORDS)}\n[exit 0, 0.01s]\n</tool_response>")
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 1024):

@@ -1,10 +1,14 @@
-"""The supervised starting point of the RL and distillation jobs: demonstrations and the
-SFT steps on them.
+"""The starting point of the RL and distillation jobs: a Hugging Face checkpoint, or
+demonstrations and the SFT steps on them.
 
     ids, mask = demonstrations(tasks, seq_len)        # prompt + oracle answer, loss on the answer
     ids, mask = episode_demonstrations(cfg, tasks)    # oracle episodes, observations out of the loss
     supervised(model, ids, mask, cfg.base)            # DSA's sparse stage by default
     policy = build_base(cfg, workdir)                 # all of it, cached in workdir/base
+
+With `base.checkpoint` the policy is that checkpoint, loaded in the mesh's shardings; with
+`base.finetune` too, it is first fine-tuned on the task's demonstrations in the
+checkpoint's chat format (cached in workdir/base like a base trained from scratch).
 
 An agentic base learns from oracle episodes run in the environment pool (the
 demonstration's commands with the observations they really print), a one-turn base from
@@ -26,7 +30,6 @@ import glmjax
 from envs import families
 from glmjax import distributed
 from glmjax import train as lm_train
-from glmjax.chat import ByteChat
 from rl import rollout as ro
 from rl import tasks as rl_tasks
 from rl.checkpoint import set_aside
@@ -36,9 +39,16 @@ from rl.config import BaseConfig
 log = logging.getLogger(__name__)
 
 
-def demonstrations(tasks, seq_len: int, compaction: Compaction | None = None):
+def demonstrations(tasks, seq_len: int, compaction: Compaction | None = None, chat=None):
     """SFT arrays: prompt + oracle answer, loss on the answer tokens only; with compaction,
-    one row per segment of the oracle's compacted rollout (summaries included)."""
+    one row per segment of the oracle's compacted rollout (summaries included). With a
+    chat template (`chat`, an HFChat), the prompt is a user turn and the answer an assistant
+    turn that ends with the tokenizer's end token."""
+    if chat is not None and hasattr(chat, "assistant"):
+        end = [chat.end_id]
+        rows = [(rl_tasks.prompt_tokens(chat, t), chat.assistant(t.oracle().removesuffix("\n")) + end, None)
+                for t in tasks]
+        return _sft_arrays([(p, c, [0] * len(c)) for p, c, _ in rows], seq_len)
     rows = [seg for task in tasks
             for seg in oracle_segments(ro.encode(task.prompt), ro.encode(task.oracle()), compaction)]
     return _sft_arrays([(s.prompt, s.completion, s.observation_mask) for s in rows], seq_len)
@@ -47,10 +57,10 @@ def demonstrations(tasks, seq_len: int, compaction: Compaction | None = None):
 def episode_demonstrations(cfg, tasks):
     """SFT arrays from oracle episodes (rl/tasks.py: oracle_episode), run in the env pool:
     loss on the model's tokens, not on the observations."""
-    window = cfg.task.max_len - 1
+    window, chat, style = cfg.task.max_len - 1, rl_tasks.job_chat(cfg), rl_tasks.action_format(cfg)
 
     def one(task):
-        episode = rl_tasks.oracle_episode(task, rl_tasks.make_env(cfg), ByteChat(), window)
+        episode = rl_tasks.oracle_episode(task, rl_tasks.make_env(cfg), chat, window, style)
         return [(tr.prompt, tr.completion, tr.observation_mask or [0] * len(tr.completion))
                 for tr in episode.trajectories(0)]
 
@@ -67,7 +77,7 @@ def _sft_arrays(rows, seq_len: int):
     for i, (prompt, completion, observation) in enumerate(rows):
         p, n = len(prompt), len(completion)
         if p + n > seq_len:
-            raise ValueError(f"a demonstration of {p + n} tokens ({ro.decode(prompt + completion)!r}) is "
+            raise ValueError(f"a demonstration of {p + n} tokens (row {i}) is "
                              f"longer than base.seq_len={seq_len}: raise it, or enable rl.compaction")
         ids[i, :p + n] = list(prompt) + list(completion)
         mask[i, p:p + n] = 1 - np.asarray(observation, np.float32)
@@ -81,7 +91,12 @@ def build_base(cfg, workdir: str, demo_tasks=(), mesh=None) -> glmjax.GlmForCaus
     An agentic base learns from oracle episodes of generated tasks (`base.demonstrations`
     of them, seed `base.seed`), or of `demo_tasks` (the training tasks) from a Harbor dir;
     a demonstration that its verifier does not reward stops the job, naming the task.
-    With a mesh the model is created (or loaded) sharded by the ambient rules."""
+    With a mesh the model is created (or loaded) sharded by the ambient rules. With
+    `base.checkpoint`, module docstring."""
+    b = cfg.base
+    if b.checkpoint and not b.finetune:
+        log.info("the base model is %s", b.checkpoint)
+        return load_checkpoint(b.checkpoint, cfg.model, mesh)
     path = os.path.join(workdir, "base")
     if os.path.exists(os.path.join(path, "config.json")):
         log.info("loading the cached base model from %s", path)
@@ -91,7 +106,10 @@ def build_base(cfg, workdir: str, demo_tasks=(), mesh=None) -> glmjax.GlmForCaus
             aside = set_aside(path) if distributed.is_main() else path + ".corrupt"
             log.warning("the cached base model in %s does not read (%s: %s); it is moved to %s and trained again",
                         path, type(err).__name__, " ".join(str(err).split())[:300], aside)
-    model = glmjax.init_model(cfg.model, seed=cfg.base.seed, mesh=mesh)
+    if b.checkpoint:
+        model = load_checkpoint(b.checkpoint, cfg.model, mesh)
+    else:
+        model = glmjax.init_model(cfg.model, seed=cfg.base.seed, mesh=mesh)
     if rl_tasks.agentic(cfg):
         if cfg.task.harbor_dir:  # a directory's tasks are what there is to demonstrate
             demo_tasks = list(demo_tasks)[:cfg.base.demonstrations]
@@ -100,12 +118,22 @@ def build_base(cfg, workdir: str, demo_tasks=(), mesh=None) -> glmjax.GlmForCaus
                                              difficulty=cfg.task.difficulty)
         ids, mask = episode_demonstrations(cfg, demo_tasks)
     else:
-        tasks = families.make_tasks(cfg.task.family, cfg.base.demonstrations, seed=cfg.base.seed,
-                                    difficulty=cfg.task.difficulty)
-        ids, mask = demonstrations(tasks, cfg.base.seq_len, rl_tasks.compaction(cfg))
+        if cfg.task.data:
+            tasks = list(demo_tasks)[:cfg.base.demonstrations]
+        else:
+            tasks = families.make_tasks(cfg.task.family, cfg.base.demonstrations, seed=cfg.base.seed,
+                                        difficulty=cfg.task.difficulty)
+        ids, mask = demonstrations(tasks, cfg.base.seq_len, rl_tasks.compaction(cfg),
+                                   chat=rl_tasks.job_chat(cfg) if b.checkpoint else None)
     supervised(model, ids, mask, cfg.base, desc="base model (SFT)", mesh=mesh)
     glmjax.save_pretrained(model, path)
     return model
+
+
+def load_checkpoint(path: str, model_config, mesh=None) -> glmjax.GlmForCausalLM:
+    """A Hugging Face checkpoint as the job's model, in `model_config`'s dtype and kernels
+    (the job's config was read from its config.json), sharded by the ambient rules with a mesh."""
+    return glmjax.from_pretrained(path, dtype=model_config.dtype, mesh=mesh, kernel_impl=model_config.kernel_impl)
 
 
 def supervised(model: glmjax.GlmForCausalLM, ids, mask, sft: BaseConfig, desc: str = "SFT",

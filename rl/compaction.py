@@ -77,8 +77,9 @@ class Answer:
     settings are the driver's (`temperature`, `seed`, ...; the seed advances per request)."""
 
     def __init__(self, prompt: Sequence[int], max_new_tokens: int, *, compaction: Compaction | None = None,
-                 stop_ids: Sequence[int] = (), temperature: float = 0.0, seed: int = 0, session_id=None):
-        self.prompt, self.compaction = list(prompt), compaction
+                 stop_ids: Sequence[int] = (), temperature: float = 0.0, seed: int = 0, session_id=None,
+                 decode: Callable[[Sequence[int]], str] = decode):
+        self.prompt, self.compaction, self.decode = list(prompt), compaction, decode
         self.max_new_tokens, self.stop_ids = max_new_tokens, tuple(stop_ids)
         self.temperature, self.seed, self.session_id = temperature, seed, session_id
         if compaction is not None:
@@ -101,7 +102,7 @@ class Answer:
 
     @property
     def text(self) -> str:
-        return decode(self.transcript)
+        return self.decode(self.transcript)
 
     @property
     def summarising(self) -> bool:

@@ -111,9 +111,20 @@ class TaskConfig:
     augment: str = ""  # adversarial copies of training tasks (envs/augment.py): "distractor", "reorder"
     augment_fraction: float = 0.5
     harbor_dir: str = ""  # tasks from a directory of Harbor tasks instead of a family
+    # one-turn tasks from a JSONL prompt dataset (a file, or a directory of *.jsonl) instead of a
+    # family: envs/datasets.py; rows without a "split" field are held out by this fraction
+    data: str = ""
+    heldout_fraction: float = 0.1
 
     def __post_init__(self):
-        if self.harbor_dir:
+        if self.data:
+            if not os.path.exists(self.data):
+                raise ValueError(f"task.data={self.data!r} does not exist: expected a JSONL file or a directory of them")
+            if self.harbor_dir:
+                raise ValueError("task.data and task.harbor_dir both name tasks: give one")
+            if not 0.0 <= self.heldout_fraction < 1.0:
+                raise ValueError(f"task.heldout_fraction={self.heldout_fraction} is invalid: expected 0 <= f < 1")
+        elif self.harbor_dir:
             if not os.path.isdir(self.harbor_dir):
                 raise ValueError(f"task.harbor_dir={self.harbor_dir!r} is not a directory")
         elif self.family not in families.TEXT and self.family not in families.SANDBOX:
@@ -135,13 +146,21 @@ class TaskConfig:
     @property
     def agentic(self) -> bool:
         """Multi-turn episodes in sandboxes (rather than one-turn answers)."""
-        return bool(self.harbor_dir) or self.family in families.SANDBOX
+        return not self.data and (bool(self.harbor_dir) or self.family in families.SANDBOX)
 
 
 @dataclasses.dataclass(frozen=True)
 class BaseConfig:
-    """`config.base` (and the distillation job's `student` and `teacher_sft`): supervised
-    training on demonstrations, the starting point of RL."""
+    """`config.base` (and the distillation job's `student` and `teacher_sft`): the starting
+    point of RL. Without `checkpoint`, a model of `config.model` trained on demonstrations;
+    with it, a Hugging Face directory (config.json, safetensors, tokenizer, chat template):
+    the policy, the critic's trunk (or `critic_checkpoint`'s), the KL reference and the
+    engine's model, in the checkpoint's tokenizer and chat format; `finetune` runs the
+    supervised phase on the task's demonstrations first."""
+
+    checkpoint: str = ""
+    critic_checkpoint: str = ""
+    finetune: bool = False
 
     demonstrations: int = 3000
     steps: int = 90
@@ -156,6 +175,18 @@ class BaseConfig:
     indexer_stage: str | None = "sparse"
 
     def __post_init__(self):
+        for key in ("checkpoint", "critic_checkpoint"):
+            path = getattr(self, key)
+            if path and not os.path.isfile(os.path.join(path, "config.json")):
+                what = "does not exist" if not os.path.exists(path) else "has no config.json"
+                raise ValueError(f"base.{key}={path!r} {what}: expected a Hugging Face checkpoint directory "
+                                 "(config.json, *.safetensors, tokenizer files)")
+        if self.critic_checkpoint and not self.checkpoint:
+            raise ValueError("base.critic_checkpoint needs base.checkpoint: the critic's trunk and the policy share "
+                             "one architecture and tokenizer")
+        if self.finetune and not self.checkpoint:
+            raise ValueError("base.finetune fine-tunes base.checkpoint: without one the base is always trained on "
+                             "demonstrations")
         _at_least("base", self, 1, "demonstrations", "batch_size", "seq_len")
         _at_least("base", self, 0, "steps", "warmup")
 
@@ -229,6 +260,9 @@ class RLConfig:
     overlong_buffer: int = 0
     validate_every: int = 0  # greedy and sampled pass rates on validation tasks every N steps (0: off)
     validate_tasks: int = 64
+    # the policy as a Hugging Face directory (workdir/export/step_N) every N steps (0: off);
+    # the final one, workdir/export/final, is always written
+    export_every: int = 0
     # with config.mesh: the engine in the learner's layout ("learner": publishing is a
     # reference swap) or the serving one ("decode": publishing reshards inside XLA)
     engine_rules: str = "learner"
@@ -250,7 +284,7 @@ class RLConfig:
             raise ValueError("rl.dynamic_sampling drops groups whose rewards are all equal: set rl.group_size >= 2")
         _at_least("rl", self, 0, "eta", note=" (0 = synchronous)")
         _at_least("rl", self, 0, "kl_coef", "num_draft", "mtp_lr", "overlong_buffer", "validate_every",
-                  "critic_warmup", "actor_warmup", note=" (0 = off)")
+                  "critic_warmup", "actor_warmup", "export_every", note=" (0 = off)")
         _at_least("rl", self, 1, "slots")
         _at_least("rl", self, 0, "steps", "tau", "critic_steps")
         if self.temperature <= 0:
@@ -276,7 +310,8 @@ class EnvConfig:
     episode_seconds: float = 60.0  # environment work of one rollout past this is abandoned
     observation_bytes: int = 256
     show_help: bool = False
-    action_format: str = "bash"  # envs/tool_calls.py
+    # envs/tool_calls.py; "auto": the chat template's tool-call format (GLM's or JSON), else "bash"
+    action_format: str = "auto"
     # each episode's sandbox: memory and files together, its disk, cores for all its processes
     memory_mb: int = 2048
     disk_mb: int = 1024
@@ -290,7 +325,8 @@ class EnvConfig:
         if self.command_seconds <= 0 or self.episode_seconds <= 0 or self.cpus <= 0:
             raise ValueError(f"env.command_seconds={self.command_seconds}, env.episode_seconds="
                              f"{self.episode_seconds} and env.cpus={self.cpus} must be > 0")
-        parser(self.action_format)  # names an unknown format
+        if self.action_format != "auto":
+            parser(self.action_format)  # names an unknown format
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,8 +351,22 @@ class EvalConfig:
         return [int(k) for k in str(self.ks).split(",") if k.strip()]
 
 
-def _model(cfg) -> ModelConfig:
-    return presets.model_config_from(cfg)
+RUNTIME_FIELDS = ("dtype", "param_dtype", "kernel_impl")
+
+
+def _model(cfg, checkpoint: str = "") -> ModelConfig:
+    """`config.model`; with a checkpoint, its config.json, with `config.model`'s runtime fields
+    (how to run it: dtypes, kernels) over it."""
+    if not checkpoint:
+        if "model" not in cfg:
+            raise ValueError("the config has no `model` section and no base.checkpoint: give one (a Hugging Face "
+                             "directory: --config.base.checkpoint=DIR)")
+        return presets.model_config_from(cfg)
+    runtime = {k: v for k, v in _plain(cfg["model"] if "model" in cfg else None).items() if k in RUNTIME_FIELDS}
+    try:
+        return ModelConfig.from_hf(checkpoint, **runtime)
+    except (ValueError, TypeError, KeyError) as err:
+        raise ValueError(f"base.checkpoint={checkpoint!r}: config.json: {err}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,7 +397,8 @@ class JobConfig:
             raise ValueError(f"config has unknown section(s) {unknown}; the RL job reads {', '.join(cls.SECTIONS)}")
         task = build(TaskConfig, cfg["task"], "task")
         env = build(EnvConfig, cfg["env"], "env") if "env" in cfg and cfg["env"] is not None else None
-        job = cls(model=_model(cfg), task=task, base=build(BaseConfig, cfg["base"], "base"),
+        base = build(BaseConfig, cfg["base"], "base")
+        job = cls(model=_model(cfg, base.checkpoint), task=task, base=base,
                   rl=build(RLConfig, cfg["rl"], "rl"), env=env,
                   eval=build(EvalConfig, cfg["eval"] if "eval" in cfg else None, "eval"),
                   distributed=distributed.DistributedConfig.of(cfg),
@@ -374,12 +425,15 @@ class JobConfig:
             if self.env is None:
                 raise ValueError("an agentic job (sandboxed tasks) needs an `env` section: see "
                                  "configs/sao_agent_tiny.py")
-            if model.vocab_size < ByteChat.vocab_size:
+            if not self.base.checkpoint and model.vocab_size < ByteChat.vocab_size:
                 raise ValueError(f"model.vocab_size={model.vocab_size} has no room for the chat role tokens: "
                                  f"episodes need >= {ByteChat.vocab_size} (glmjax/chat.py)")
         if task.max_len > model.max_position_embeddings:
             raise ValueError(f"task.max_len={task.max_len} exceeds model.max_position_embeddings="
                              f"{model.max_position_embeddings}")
+        if self.base.checkpoint and rl.compaction.enabled:
+            raise ValueError("rl.compaction writes its markers in the byte vocabulary: it runs without "
+                             "base.checkpoint only")
         for key in ("num_draft", "mtp_lr"):
             if getattr(rl, key) and not model.num_nextn_predict_layers:
                 raise ValueError(f"rl.{key}={getattr(rl, key)} needs an MTP layer: set "

@@ -4,8 +4,11 @@
     make = RolloutFactory(job, window)          # make(task, rollout_id) -> rl.rollout.Rollout
     stream = TaskStream(train, seed=job.task.seed)  # next(stream): the next training task
 
-Three sources, by config:
+Four sources, by config:
 - a text family (`task.family="sorting"`): one-turn `TextTask`s, a `TextRollout` each;
+- a JSONL prompt dataset (`task.data=FILE.jsonl` or a directory of them, envs/datasets.py):
+  one-turn tasks with the row's verifier; rows held out by their `split` field, or
+  `task.heldout_fraction` of the rest by a hash;
 - a sandboxed family (`task.family="lookup"`, `"terminal"` ...): generated `HarborTask`s,
   each run as a multi-turn `Episode` in a `ShellEnv`;
 - a directory of Harbor tasks (`task.harbor_dir=DIR`): the same, from disk; one task in
@@ -18,11 +21,17 @@ only once their verifier has passed the three checks (oracle
 rewarded, no-op not, unfinished not: `envs/harbor/validate.py`); the others are excluded and
 counted by status. Reports are cached in workdir/validation.jsonl, so a resumed run does
 not check again. Held-out tasks come from another seed (`task.seed + 1`).
+
+The job's chat format (`job_chat`): the byte vocabulary (`ByteChat`; one-turn prompts are
+the prompt's bytes, answers end at a newline), or with `base.checkpoint` the checkpoint's
+tokenizer and chat template (`HFChat`; one-turn prompts are a user turn, answers end at
+the template's stop tokens, and episodes call the shell as the template's tools).
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import logging
 import os
@@ -31,12 +40,13 @@ import random
 from tqdm.auto import tqdm
 
 from envs import augment, families
+from envs.base import parse_action
 from envs.harbor import validate
 from envs.harbor.task import HarborTask
 from envs.sandbox.sandbox import Limits
 from envs.shell import ShellEnv
 from glmjax import distributed
-from glmjax.chat import ByteChat
+from glmjax.chat import ByteChat, HFChat
 from rl import rollout as ro
 from rl.compaction import Answer, Compaction
 from rl.engine.driver import Request, Result
@@ -44,6 +54,56 @@ from rl.episode import Episode
 
 log = logging.getLogger(__name__)
 STOP = ro.encode("\n")
+
+# The shell as tools, for chat templates that list them (the env's `bash` and `submit`).
+SHELL_TOOLS = (
+    {"type": "function", "function": {"name": "bash", "description": "Run a shell command in the task's sandbox.",
+                                      "parameters": {"type": "object", "required": ["command"],
+                                                     "properties": {"command": {"type": "string"}}}}},
+    {"type": "function", "function": {"name": "submit", "description": "Finish; the tests run on the sandbox.",
+                                      "parameters": {"type": "object",
+                                                     "properties": {"answer": {"type": "string"}}}}},
+)
+
+
+def job_chat(cfg):
+    """The job's chat format (module docstring)."""
+    return _chat(cfg.base.checkpoint, cfg.agentic)
+
+
+@functools.lru_cache(maxsize=8)
+def _chat(checkpoint: str, agentic: bool):
+    if not checkpoint:
+        return ByteChat()
+    return HFChat.from_pretrained(checkpoint, tools=list(SHELL_TOOLS) if agentic else None)
+
+
+def action_format(cfg) -> str:
+    """`env.action_format`, "auto" resolved: the template's tool-call format, or "bash"."""
+    name = cfg.env.action_format
+    if name != "auto":
+        return name
+    chat = job_chat(cfg)
+    template = getattr(getattr(chat, "tokenizer", None), "chat_template", None)
+    if not template or "<tool_call>" not in template:
+        return "bash"
+    return "glm" if "<arg_key>" in template else "json"
+
+
+def prompt_tokens(chat, task) -> list[int]:
+    """A one-turn task's prompt: its bytes, or a user turn (its messages) in the template."""
+    if isinstance(chat, ByteChat):
+        return ro.encode(task.prompt)
+    messages = getattr(task, "messages", None)
+    if messages:
+        return chat.encode_text(chat.tokenizer.apply_chat_template(list(messages), tokenize=False,
+                                                                   add_generation_prompt=True))
+    return chat.start(task.prompt)
+
+
+def answer_stops(chat) -> tuple[int, ...]:
+    """What ends a one-turn answer: a newline in bytes, the template's stop tokens otherwise."""
+    return tuple(STOP) if isinstance(chat, ByteChat) else chat.stop_ids
 
 
 class TaskStream:
@@ -76,6 +136,15 @@ def agentic(cfg) -> bool:
 def task_sets(cfg, workdir: str | None = None) -> tuple[list, list, dict]:
     """(train, held-out, excluded by cause) of the config's task source."""
     t = cfg.task
+    if t.data:
+        from envs import datasets
+
+        train, heldout = datasets.split(datasets.load_tasks(t.data), t.heldout_fraction, seed=t.seed)
+        if not train or not heldout:
+            raise ValueError(f"task.data={t.data!r} splits into {len(train)} training and {len(heldout)} held-out "
+                             "tasks: each needs one (mark rows \"split\": \"heldout\" or raise task.heldout_fraction)")
+        train, refused = _augmented(cfg, train[:t.train_tasks])
+        return train, heldout[:t.eval_tasks], {"augment_refused": refused} if refused else {}
     if not agentic(cfg):
         train = families.make_tasks(t.family, t.train_tasks, seed=t.seed, difficulty=t.difficulty)
         heldout = families.make_tasks(t.family, t.eval_tasks, seed=t.seed + 1, split="heldout", difficulty=t.difficulty)
@@ -117,7 +186,7 @@ def validation_tasks(cfg, train: list, heldout: list) -> list:
     if not n or not cfg.rl.validate_every:
         return []
     t, taken = cfg.task, {x.id for x in train + heldout}
-    if t.harbor_dir:
+    if t.harbor_dir or t.data:
         return train[:n]  # a directory has no other seed: its training tasks, as a training-curve check
     pool = families.make_tasks(t.family, 2 * n, seed=t.seed + 2, difficulty=t.difficulty)
     fresh = [x for x in pool if x.id not in taken][:n]
@@ -182,7 +251,7 @@ def sandbox_limits(cfg) -> Limits:
 def make_env(cfg) -> ShellEnv:
     e = cfg.env
     return ShellEnv(limits=sandbox_limits(cfg), max_turns=e.max_turns,
-                    observation_bytes=e.observation_bytes, show_help=e.show_help, action_format=e.action_format,
+                    observation_bytes=e.observation_bytes, show_help=e.show_help, action_format=action_format(cfg),
                     timing=e.timing)
 
 
@@ -204,7 +273,7 @@ class RolloutFactory:
     def __init__(self, cfg, window: int, *, greedy: bool = False, blank_observations: bool = False):
         self.cfg, self.window, self.greedy, self.blank = cfg, window, greedy, blank_observations
         self.compaction = compaction(cfg)
-        self.chat = ByteChat()
+        self.chat = job_chat(cfg)
         self.seed = cfg.seed * 1_000_003
 
     def __call__(self, task, rid: int, session: str = "rollout"):
@@ -216,25 +285,28 @@ class RolloutFactory:
                            temperature=temperature, seed=self.seed + rid, session_id=f"{session}-{rid}",
                            seconds=e.episode_seconds or None,
                            compaction=self.compaction, blank_observations=self.blank)
-        prompt = ro.encode(task.prompt)
+        prompt = prompt_tokens(self.chat, task)
         c = self.compaction
-        inner = Answer(prompt, budget(prompt, cfg.task.max_new_tokens, self.window, c), compaction=c, stop_ids=STOP,
-                        temperature=temperature, seed=self.seed + rid, session_id=f"{session}-{rid}" if c else None)
+        inner = Answer(prompt, budget(prompt, cfg.task.max_new_tokens, self.window, c), compaction=c,
+                       stop_ids=answer_stops(self.chat), temperature=temperature, seed=self.seed + rid,
+                       session_id=f"{session}-{rid}" if c else None, decode=self.chat.decode)
         return ro.TextRollout(task, inner)
 
 
-def oracle_episode(task: HarborTask, env, chat, window: int) -> Episode:
+def oracle_episode(task: HarborTask, env, chat, window: int, style: str = "bash") -> Episode:
     """The episode a model would have if it wrote the task's demonstration
     (`metadata["demonstration"]`, one action per turn; else the solution as one command),
     with the observations its commands really print: the supervised demonstrations, in
     exactly the layout RL produces. Raises ValueError when the demonstration is not
-    rewarded."""
+    rewarded. `style`: the action format the env reads (the demonstration is restated in it)."""
     actions = list(task.metadata.get("demonstration") or [f"<bash>{_body(task.solution)}</bash><submit/>"])
     episode = Episode(task, env, chat, turn_tokens=window, window=window, min_turn_tokens=1)
     turns = iter(actions)
     while (work := episode.next()) is not None:
         if isinstance(work, Request):
-            tokens = (chat.encode_text(next(turns, "<submit/>")) + [chat.tool_call_id])[:work.max_new_tokens]
+            text = restate(next(turns, "<submit/>"), style)
+            written = chat.assistant(text) if hasattr(chat, "assistant") else chat.encode_text(text)
+            tokens = (written + [chat.tool_call_id])[:work.max_new_tokens]
             episode.receive(Result(tokens, [0.0] * len(tokens), [0] * len(tokens), "stop"))
         else:
             work()
@@ -242,6 +314,24 @@ def oracle_episode(task: HarborTask, env, chat, window: int) -> Episode:
         raise ValueError(f"the demonstration of task {task.id} scores {episode.reward} "
                          f"({episode.finish_reason}, {episode.info}): {actions}")
     return episode
+
+
+def restate(action: str, style: str) -> str:
+    """A demonstration's action (``<bash>...</bash>`` tags and ``<submit/>``) in the action
+    format ``style`` reads: GLM's XML tool calls or JSON ones."""
+    if style == "bash":
+        return action
+    parsed = parse_action(action)
+    calls = [("bash", {"command": c}) for c in parsed.commands]
+    if parsed.submit:
+        calls.append(("submit", {"answer": parsed.answer} if parsed.answer else {}))
+    if style == "glm":
+        return "".join(f"<tool_call>{name}" + "".join(f"\n<arg_key>{k}</arg_key>\n<arg_value>{v}</arg_value>"
+                                                      for k, v in args.items()) + "\n</tool_call>"
+                       for name, args in calls)
+    if style == "json":
+        return "".join(f"<tool_call>{json.dumps({'name': name, 'arguments': args})}</tool_call>" for name, args in calls)
+    raise ValueError(f"no way to restate a demonstration in action format {style!r}")
 
 
 def _body(script: str | None) -> str:

@@ -13,7 +13,11 @@
      runs their environment work in a worker pool, scores them and drops those older
      than tau versions; each batch of B trains one learner step, published to the
      WeightStore by reference;
-  4. held-out evaluation again; workdir/summary.json and a before/after table.
+  4. held-out evaluation again; workdir/summary.json and a before/after table; the policy
+     as a Hugging Face directory, workdir/export/final (rl/export.py), and every
+     `rl.export_every` steps workdir/export/step_N.
+With `base.checkpoint` (rl/config.py: BaseConfig) step 1 is that checkpoint, and the job
+speaks its tokenizer and chat template (rl/tasks.py: job_chat).
 Each learner step is a short sequence of named steps of `Loop` (collect, admit, learn,
 publish, measure, validate, log, checkpoint); the algorithm is an entry of
 rl/algorithms.py and the config is typed (rl/config.py).
@@ -50,7 +54,7 @@ from glmjax import distributed, sharding
 from rl import rollout as ro
 from rl import sao
 from rl import tasks as rl_tasks
-from rl.base_model import build_base
+from rl.base_model import build_base, load_checkpoint
 from rl.checkpoint import LoopCheckpointer
 from rl.collector import Collector
 from rl.compaction import Compaction
@@ -59,6 +63,7 @@ from rl.engine.driver import Driver
 from rl.engine.engine import GlmEngine
 from rl.engine.weights import WeightStore
 from rl.evaluation import evaluate_tasks, matrix
+from rl.export import export
 from rl.job import Totals, on_mesh, say
 from rl.job_log import JobLog, QuietLog
 from rl.learner import Learner, ValueModel
@@ -77,9 +82,37 @@ def check_config(cfg) -> JobConfig:
     run, so that a mistyped value stops the job before the base model trains."""
     job = JobConfig.from_config(cfg)
     rl_tasks.compaction(job)  # Compaction validates its own fields
+    if job.base.checkpoint:
+        check_checkpoint(job)
     if job.rl.engine_mesh:
         _engine_devices(job)
     return job
+
+
+def check_checkpoint(job: JobConfig) -> None:
+    """A `base.checkpoint` the job can use, before any compute: its tokenizer and chat
+    template load, the template only appends (glmjax/chat.py: check_append_only, on a
+    sample conversation; the ValueError names the turn that differs), the tokenizer fits the
+    model's vocabulary, and the critic's checkpoint shares it."""
+    from glmjax.chat import check_append_only
+
+    chat = rl_tasks.job_chat(job)
+    where = f"base.checkpoint={job.base.checkpoint!r}"
+    try:
+        check_append_only(chat)
+    except ValueError as err:
+        raise ValueError(f"{where}: the chat template cannot train token in, token out: {err}") from None
+    if chat.vocab_size > job.model.vocab_size:
+        raise ValueError(f"{where}: the tokenizer has {chat.vocab_size} tokens and the model's vocab_size is "
+                         f"{job.model.vocab_size}: they are not one checkpoint's")
+    if job.base.critic_checkpoint:
+        from glmjax.config import ModelConfig
+
+        critic = ModelConfig.from_hf(job.base.critic_checkpoint)
+        if critic.vocab_size != job.model.vocab_size:
+            raise ValueError(f"base.critic_checkpoint={job.base.critic_checkpoint!r} has vocab_size "
+                             f"{critic.vocab_size}, the policy {job.model.vocab_size}: the critic reads the "
+                             "policy's tokens")
 
 
 def run(cfg, workdir: str, make_rollout=None) -> dict:
@@ -111,6 +144,7 @@ def _run(job: JobConfig, workdir: str, make_rollout, mesh) -> dict:
         metrics.update(loop.validate())
         loop.log(metrics)
         loop.checkpoint()
+        loop.export()
     loop.stop()
     return loop.finish()
 
@@ -126,7 +160,7 @@ class Loop:
         self.train_tasks, self.heldout, self.excluded = rl_tasks.task_sets(job, workdir)
         self.validation = rl_tasks.validation_tasks(job, self.train_tasks, self.heldout)
         self.policy = build_base(job, workdir, demo_tasks=self.train_tasks, mesh=mesh)
-        self.critic = ValueModel(nnx.clone(self.policy)) if rl.uses_critic else None
+        self.critic = ValueModel(self._critic_trunk()) if rl.uses_critic else None
         if self.critic is not None and mesh is not None:  # its head, made on one device, joins the mesh
             self.critic = sharding.shard_model(self.critic, mesh)
         self.learner = Learner(self.policy, self.critic, rl, mesh=mesh)
@@ -158,11 +192,17 @@ class Loop:
         self.drafted = (0, 0)  # the driver's accepted drafts and busy slot-steps at the last learner step
 
     # Setup --------------------------------------------------------------------------------
+    def _critic_trunk(self):
+        """The critic's backbone: `base.critic_checkpoint`, or the policy's starting weights."""
+        path = self.job.base.critic_checkpoint
+        return load_checkpoint(path, self.job.model, self.mesh) if path else nnx.clone(self.policy)
+
     def _warmup(self) -> None:
         """Every prefill shape compiled now, so that no rollout waits for a compile mid-run."""
         start = time.time()
         if self.job.rl.warmup_compile:
-            self.engine.warmup(buckets=_prefill_buckets(self.engine, self.train_tasks + self.heldout, self.compaction))
+            self.engine.warmup(buckets=_prefill_buckets(self.engine, self.train_tasks + self.heldout, self.compaction,
+                                                        rl_tasks.job_chat(self.job)))
         self.warmup_seconds = time.time() - start
 
     def _resume(self) -> None:
@@ -308,6 +348,15 @@ class Loop:
                        env_seconds=self.env_seconds, **self.totals.snapshot("learner_seconds", "rl_seconds",
                                                                             "warmup_seconds", "wall_seconds"))
 
+    def export(self, name: str | None = None) -> str | None:
+        """The policy as a Hugging Face directory (rl/export.py) every `rl.export_every` steps,
+        or now as `name`."""
+        every = self.job.rl.export_every
+        if name is None and not (every and self.step % every == 0):
+            return None
+        path = os.path.join(self.workdir, "export", name or f"step_{self.step}")
+        return export(self.policy, path, tokenizer_from=self.job.base.checkpoint)
+
     @property
     def dropped(self) -> collections.Counter:
         return self.dropped_before + self.shared["dropped"]
@@ -348,6 +397,7 @@ class Loop:
             summary.update(final_pass_rate_blind=blind["pass_rate"], base_turns_per_episode=base["turns"],
                            final_turns_per_episode=final["turns"], env_seconds=self.env_seconds,
                            env_time_fraction=self.shared["env_seconds"] / max(self.shared["rollout_seconds"], 1e-9))
+        summary["export"] = self.export("final")
         if distributed.is_main():
             with open(os.path.join(self.workdir, "summary.json"), "w") as f:
                 json.dump(summary, f, indent=2)
@@ -360,12 +410,12 @@ class Loop:
 
 
 # Parts ----------------------------------------------------------------------------------
-def _prefill_buckets(engine: GlmEngine, tasks, compaction: Compaction | None) -> tuple[int, ...]:
+def _prefill_buckets(engine: GlmEngine, tasks, compaction: Compaction | None, chat) -> tuple[int, ...]:
     """The prefill lengths a job uses: up to its longest prompt's bucket; with compaction
     or episodes every bucket (a continuation holds a summary or a history of any length)."""
     if compaction or not all(hasattr(t, "prompt") for t in tasks):
         return engine.buckets
-    longest = engine.bucket(max(len(ro.encode(t.prompt)) for t in tasks))
+    longest = engine.bucket(max(len(rl_tasks.prompt_tokens(chat, t)) for t in tasks))
     return tuple(b for b in engine.buckets if b <= longest)
 
 

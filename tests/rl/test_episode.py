@@ -313,7 +313,7 @@ def test_hf_chat_template_checked_turn_by_turn():
         turns += [Turn("assistant", action), Turn("observation", output)]
         bounds += [bounds[-1] + len(sampled) - 1, len(tokens)]
         chat_module.check(chat, turns, tokens, bounds)
-    assert chat.stop_ids[0] == chat.tool_call_id and chat.decode(tokens).split() == "list the files ls a b c " \
+    assert chat.tool_call_id == chat.ids[chat_module.OBSERVATION] in chat.stop_ids and chat.decode(tokens).split() == "list the files ls a b c " \
         "cat kv 1 2".split()
 
     # A template that drops past tool output on re-render is not append-only: the check names the turn.
