@@ -68,7 +68,7 @@ def _python_files_parse(env: ShellEnv) -> bool:
 
 def run_sample(client: ModelClient, task, category: str, *, max_turns: int = 8, max_tokens: int = 512,
                temperature: float = 0.0, limits: Limits = Limits(wall_seconds=20.0), show_help: bool = True,
-               timing: bool = True) -> dict:
+               timing: bool = True, action_format: str = "bash") -> dict:
     """One episode of ``task``; returns ``{"reward", sub-metric: value}``. A client with an
     ``act(transcript, max_tokens=, temperature=)`` method (a chat model: ``rl/env_client.py``)
     is given the episode's turns; any other gets their text rendering to complete."""
@@ -84,7 +84,8 @@ def run_sample(client: ModelClient, task, category: str, *, max_turns: int = 8, 
             except (SyntaxError, ValueError):
                 syntax = 0.0
             return {"reward": reward, names[0]: syntax, names[1]: float(is_full(reward))}
-        env = ShellEnv(limits=limits, max_turns=max_turns, show_help=show_help, timing=timing)
+        env = ShellEnv(limits=limits, max_turns=max_turns, show_help=show_help, timing=timing,
+                       action_format=action_format)
         act = getattr(client, "act", None)  # a chat model reads the turns, not their rendering
         try:
             env.reset(task)

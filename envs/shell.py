@@ -6,6 +6,8 @@
     obs, reward, done, info = env.step('<submit/>')   # tests run now; reward is final
     env.close()
 
+``act(Action(...))`` takes an action already parsed (an agent's structured tool calls).
+
 Actions are read in ``action_format`` (``envs/tool_calls.py``: ``"bash"`` tags or GLM's
 ``"glm"`` tool calls); ``finish()`` ends an episode whose agent ran out of budget. ``timing=False`` leaves the
 seconds out of each command's status line (``[exit 0]``), so that the same commands
@@ -31,7 +33,7 @@ import random
 from typing import Callable
 
 from envs import tool_calls
-from envs.base import ACTION_HELP, Step, Transcript, Turn
+from envs.base import ACTION_HELP, Action, Step, Transcript, Turn
 from envs.harbor.task import (
     HarborTask,
     Verdict,
@@ -43,6 +45,11 @@ from envs.harbor.task import (
     trial_reward,
 )
 from envs.sandbox.sandbox import Limits, Sandbox, SandboxError
+
+
+def _describe(parsed: Action) -> str:
+    return "".join(f"<bash>{c}</bash>" for c in parsed.commands) + (
+        f"<submit>{parsed.answer}</submit>" if parsed.submit and parsed.answer else "<submit/>" if parsed.submit else "")
 
 
 def clip(text: str, limit: int) -> str:
@@ -89,10 +96,16 @@ class ShellEnv:
         return prompt
 
     def step(self, action: str) -> Step:
+        """The model's turn ``action``, read in the env's action format."""
+        return self.act(self.parse(action), action)
+
+    def act(self, parsed: Action, text: str | None = None) -> Step:
+        """An action already parsed (an agent's structured tool calls); ``text`` is what the
+        transcript keeps of it."""
         if self.task is None:
             raise RuntimeError("ShellEnv.step before reset (or after the episode ended)")
         self.turns += 1
-        parsed = self.parse(action)
+        action = text if text is not None else _describe(parsed)
         self.transcript.add("model", action)
         self.stats["actions"] += 1
         self.stats["parsed"] += parsed.parsed

@@ -115,6 +115,9 @@ class TaskConfig:
     # family: envs/datasets.py; rows without a "split" field are held out by this fraction
     data: str = ""
     heldout_fraction: float = 0.1
+    # sandboxed tasks driven by an agent of envs/agents (AGENTS, e.g. "terminus") through the
+    # engine's OpenAI-compatible API, its calls recorded token for token (rl/agent_episode.py)
+    agent: str = ""
 
     def __post_init__(self):
         if self.data:
@@ -130,6 +133,14 @@ class TaskConfig:
         elif self.family not in families.TEXT and self.family not in families.SANDBOX:
             raise ValueError(f"task.family={self.family!r} is unknown: expected a text family {sorted(families.TEXT)} "
                              f"or a sandboxed one {sorted(families.SANDBOX)} (or task.harbor_dir=DIR)")
+        if self.agent:
+            from envs.agents import AGENTS
+
+            if self.agent not in AGENTS:
+                raise ValueError(f"task.agent={self.agent!r} is unknown: expected one of {sorted(AGENTS)}")
+            if not self.agentic:
+                raise ValueError(f"task.agent={self.agent!r} drives sandboxed tasks: give a sandboxed task.family "
+                                 f"{sorted(families.SANDBOX)} or task.harbor_dir")
         bad = set(self.augment_kinds) - {"distractor", "reorder"}
         if bad:
             raise ValueError(f"task.augment={self.augment!r} names {sorted(bad)}: expected distractor and/or reorder")
@@ -431,6 +442,9 @@ class JobConfig:
         if task.max_len > model.max_position_embeddings:
             raise ValueError(f"task.max_len={task.max_len} exceeds model.max_position_embeddings="
                              f"{model.max_position_embeddings}")
+        if task.agent and not self.base.checkpoint:
+            raise ValueError(f"task.agent={task.agent!r} talks to the engine through the chat template of a "
+                             "checkpoint: give base.checkpoint (a Hugging Face directory with a tokenizer)")
         if self.base.checkpoint and rl.compaction.enabled:
             raise ValueError("rl.compaction writes its markers in the byte vocabulary: it runs without "
                              "base.checkpoint only")
@@ -546,8 +560,8 @@ class DistillJobConfig:
         teachers = {name: build(TeacherConfig, t, f"teachers.{name}") for name, t in _plain(cfg["teachers"]).items()}
         if not teachers:
             raise ValueError("config.teachers is empty: name at least one teacher (family=...)")
-        job = cls(model=_model(cfg), task=build(TaskConfig, cfg["task"], "task"),
-                  student=build(BaseConfig, cfg["student"], "student"),
+        student = build(BaseConfig, cfg["student"], "student")
+        job = cls(model=_model(cfg, student.checkpoint), task=build(TaskConfig, cfg["task"], "task"), student=student,
                   teacher_sft=build(BaseConfig, cfg["teacher_sft"], "teacher_sft"), teachers=teachers,
                   opd=build(DistillConfig, cfg["opd"], "opd"), distributed=distributed.DistributedConfig.of(cfg),
                   seed=cfg["seed"] if "seed" in cfg else 0, raw=cfg)
@@ -560,6 +574,10 @@ class DistillJobConfig:
         return dataclasses.replace(self.teacher_sft, **own)
 
     def check(self) -> None:
+        if self.teacher_sft.checkpoint or self.teacher_sft.critic_checkpoint or self.student.critic_checkpoint:
+            raise ValueError("the distillation job starts from student.checkpoint: the teachers are fine-tuned "
+                             "from it and there is no critic (teacher_sft.checkpoint and *.critic_checkpoint "
+                             "stay empty)")
         if self.distributed.num_processes != 1:
             raise ValueError("the distillation job runs in one process (over any mesh of its devices): set "
                              "distributed.num_processes=1")

@@ -47,14 +47,17 @@ def serving_window(engine: GlmEngine) -> int:
     return engine.max_len - engine.num_draft - 1
 
 
-def evaluate(driver: Driver, tasks, max_new_tokens: int, compaction: Compaction | None = None) -> float:
-    """Greedy pass rate of one-turn tasks (compacting, as in training, when configured)."""
+def evaluate(driver: Driver, tasks, max_new_tokens: int, compaction: Compaction | None = None, chat=None) -> float:
+    """Greedy pass rate of one-turn tasks (compacting, as in training, when configured), in
+    the byte vocabulary or `chat`'s format (rl/tasks.py: chat_for)."""
     window = serving_window(driver.engine)
+    chat = chat or ByteChat()
     rollouts = []
     for i, t in enumerate(tasks):
-        prompt = ro.encode(t.prompt)
+        prompt = rl_tasks.prompt_tokens(chat, t)
         inner = Answer(prompt, rl_tasks.budget(prompt, max_new_tokens, window, compaction), compaction=compaction,
-                       stop_ids=rl_tasks.STOP, session_id=f"eval-{i}" if compaction else None)
+                       stop_ids=rl_tasks.answer_stops(chat), session_id=f"eval-{i}" if compaction else None,
+                       decode=chat.decode)
         rollouts.append(ro.TextRollout(t, inner))
     return evaluate_rollouts(driver, rollouts)["pass_rate"]
 
@@ -62,10 +65,13 @@ def evaluate(driver: Driver, tasks, max_new_tokens: int, compaction: Compaction 
 def evaluate_tasks(job, driver: Driver, tasks, greedy: bool = True, **kw) -> dict:
     """evaluate_rollouts over `tasks` as the job makes their rollouts; with several
     processes each runs every count-th task on its own engine and the results are pooled."""
-    make = rl_tasks.RolloutFactory(job, serving_window(driver.engine), greedy=greedy, **kw)
+    make = rl_tasks.RolloutFactory(job, serving_window(driver.engine), greedy=greedy, driver=driver, **kw)
     index, count = jax.process_index(), jax.process_count()
     mine = [make(t, i, session="eval") for i, t in enumerate(tasks) if i % count == index]
-    result = evaluate_rollouts(driver, mine, workers=job.env.workers if job.env else 4)
+    try:
+        result = evaluate_rollouts(driver, mine, workers=job.env.workers if job.env else 4)
+    finally:
+        make.close()
     if count == 1:
         return result
     parts = distributed.gather_objects((len(mine), result))
@@ -83,12 +89,12 @@ def matrix(job, engine: GlmEngine, heldout, workdir: str) -> dict:
     driver = Driver(engine).start()
     try:
         report = evaluate_matrix.evaluate(
-            EngineClient(driver, chat=ByteChat()), categories=["terminal"],
+            EngineClient(driver, chat=rl_tasks.job_chat(job)), categories=["terminal"],
             tasks={"terminal": heldout[:m.matrix_tasks]},
             samples=m.samples, ks=m.k_values, model=os.path.join(workdir, "checkpoints"),
             workers=engine.max_concurrent_decodes, max_turns=e.max_turns, max_tokens=e.turn_tokens,
             temperature=job.rl.temperature, show_help=e.show_help, timing=e.timing,
-            limits=rl_tasks.sandbox_limits(job))
+            limits=rl_tasks.sandbox_limits(job), action_format=rl_tasks.action_format(job))
     finally:
         driver.stop()
     with open(os.path.join(workdir, "eval_matrix.json"), "w") as f:

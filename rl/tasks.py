@@ -40,6 +40,7 @@ import random
 from tqdm.auto import tqdm
 
 from envs import augment, families
+from envs.agents import AGENTS, SHELL_TOOLS
 from envs.base import parse_action
 from envs.harbor import validate
 from envs.harbor.task import HarborTask
@@ -55,24 +56,15 @@ from rl.episode import Episode
 log = logging.getLogger(__name__)
 STOP = ro.encode("\n")
 
-# The shell as tools, for chat templates that list them (the env's `bash` and `submit`).
-SHELL_TOOLS = (
-    {"type": "function", "function": {"name": "bash", "description": "Run a shell command in the task's sandbox.",
-                                      "parameters": {"type": "object", "required": ["command"],
-                                                     "properties": {"command": {"type": "string"}}}}},
-    {"type": "function", "function": {"name": "submit", "description": "Finish; the tests run on the sandbox.",
-                                      "parameters": {"type": "object",
-                                                     "properties": {"answer": {"type": "string"}}}}},
-)
-
-
 def job_chat(cfg):
     """The job's chat format (module docstring)."""
-    return _chat(cfg.base.checkpoint, cfg.agentic)
+    return chat_for(cfg.base.checkpoint, cfg.agentic)
 
 
 @functools.lru_cache(maxsize=8)
-def _chat(checkpoint: str, agentic: bool):
+def chat_for(checkpoint: str, agentic: bool = False):
+    """ByteChat without a checkpoint; the checkpoint's HFChat (the shell's tools listed when
+    `agentic`) with one."""
     if not checkpoint:
         return ByteChat()
     return HFChat.from_pretrained(checkpoint, tools=list(SHELL_TOOLS) if agentic else None)
@@ -248,11 +240,10 @@ def sandbox_limits(cfg) -> Limits:
                   cpus=e.cpus)
 
 
-def make_env(cfg) -> ShellEnv:
+def make_env(cfg, action_format_: str | None = None) -> ShellEnv:
     e = cfg.env
-    return ShellEnv(limits=sandbox_limits(cfg), max_turns=e.max_turns,
-                    observation_bytes=e.observation_bytes, show_help=e.show_help, action_format=action_format(cfg),
-                    timing=e.timing)
+    return ShellEnv(limits=sandbox_limits(cfg), max_turns=e.max_turns, observation_bytes=e.observation_bytes,
+                    show_help=e.show_help, action_format=action_format_ or action_format(cfg), timing=e.timing)
 
 
 def compaction(cfg) -> Compaction | None:
@@ -268,17 +259,42 @@ def budget(prompt, max_new_tokens: int, window: int, compaction: Compaction | No
 class RolloutFactory:
     """`make(task, rollout_id)`: the rollout the task's kind needs, sampling as configured
     (`greedy=True` for evaluation; `blank_observations` for the ablation that hides
-    every command's output from the model)."""
+    every command's output from the model). With `task.agent`, sandboxed tasks are
+    `AgentEpisode`s whose agent calls the engine through an OpenAI-compatible server over
+    `driver` (rl/agent_episode.py), started on first use and stopped by `close()`."""
 
-    def __init__(self, cfg, window: int, *, greedy: bool = False, blank_observations: bool = False):
+    def __init__(self, cfg, window: int, *, greedy: bool = False, blank_observations: bool = False, driver=None):
         self.cfg, self.window, self.greedy, self.blank = cfg, window, greedy, blank_observations
         self.compaction = compaction(cfg)
         self.chat = job_chat(cfg)
         self.seed = cfg.seed * 1_000_003
+        self.driver, self._server = driver, None
+
+    def server(self):
+        from rl.agent_episode import AgentServer
+
+        if self._server is None:
+            if self.driver is None:
+                raise ValueError("task.agent episodes need the engine's driver: RolloutFactory(..., driver=driver)")
+            self._server = AgentServer(self.driver, self.chat, self.window)
+        return self._server
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            self._server = None
 
     def __call__(self, task, rid: int, session: str = "rollout"):
         cfg = self.cfg
         temperature = 0.0 if self.greedy else cfg.rl.temperature
+        if isinstance(task, HarborTask) and cfg.task.agent:
+            from rl.agent_episode import AgentEpisode
+
+            e = cfg.env
+            return AgentEpisode(task, make_env(cfg, "bash"), AGENTS[cfg.task.agent], self.server(),
+                                session_id=f"{session}-{rid}-{self.seed + rid}", max_turns=e.max_turns,
+                                turn_tokens=e.turn_tokens, temperature=temperature, seed=self.seed + rid,
+                                seconds=e.episode_seconds or None)
         if isinstance(task, HarborTask):
             e = cfg.env
             return Episode(task, make_env(cfg), self.chat, turn_tokens=e.turn_tokens, window=self.window,

@@ -180,8 +180,8 @@ class Loop:
         self.admission = ro.Admission(self.share, rl.eta, rl.slots)
         self._resume()
         self.logs = JobLog(workdir, rl.steps, self.learner.steps) if distributed.is_main() else QuietLog()
-        make = make_rollout or rl_tasks.RolloutFactory(job, job.task.max_len - 1)
-        self.collector = Collector(self.driver, self.admission, make, self.stream, group_size=rl.group_size, tau=rl.tau,
+        self.make = make_rollout or rl_tasks.RolloutFactory(job, job.task.max_len - 1, driver=self.driver)
+        self.collector = Collector(self.driver, self.admission, self.make, self.stream, group_size=rl.group_size, tau=rl.tau,
                                    workers=job.env.workers if job.env else 2, shard=self.shard,
                                    env_timeout=job.env.episode_seconds if job.env else 600.0, score=_scorer(job),
                                    dynamic_sampling=rl.dynamic_sampling)
@@ -369,6 +369,8 @@ class Loop:
     def stop(self) -> None:
         self.rl_seconds = max(self.totals["rl_seconds"], 1e-9)
         self.collector.close()
+        if isinstance(self.make, rl_tasks.RolloutFactory):
+            self.make.close()
         self.driver.stop()
         self.ckpt.wait()
 

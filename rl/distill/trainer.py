@@ -19,6 +19,11 @@
      engine's WeightStore;
   4. the student (saved to workdir/student) is evaluated on each domain again;
      workdir/summary.json, metrics.jsonl and a table of teacher / student pass rates.
+
+With `student.checkpoint` (a Hugging Face directory) the student's base is that checkpoint
+(fine-tuned on every domain's demonstrations first with `student.finetune`), prompts and
+answers are in its tokenizer and chat template, and workdir/student is a Hugging Face
+directory with the checkpoint's tokenizer files.
 """
 
 from __future__ import annotations
@@ -53,9 +58,10 @@ from rl.engine.driver import Driver, Request
 from rl.engine.engine import GlmEngine
 from rl.engine.weights import WeightStore
 from rl.evaluation import evaluate
+from rl.export import export
 from rl.job import on_mesh, say
 from rl.learner import Learner
-from rl.tasks import STOP, TaskStream
+from rl.tasks import TaskStream, answer_stops, chat_for, prompt_tokens
 
 log = logging.getLogger(__name__)
 
@@ -69,22 +75,33 @@ def _demonstrations(t, n: int, seed: int):
     return families.make_tasks(t.family, n, seed=seed, difficulty=t.difficulty)
 
 
-def supervised(model: glmjax.GlmForCausalLM, tasks, sft, mesh=None) -> glmjax.GlmForCausalLM:
-    """rl/base_model.py's supervised recipe on the tasks' demonstrations."""
-    ids, mask = base_model.demonstrations(tasks, sft.seq_len)
+def supervised(model: glmjax.GlmForCausalLM, tasks, sft, mesh=None, chat=None) -> glmjax.GlmForCausalLM:
+    """rl/base_model.py's supervised recipe on the tasks' demonstrations (in `chat`'s format
+    with a checkpoint)."""
+    ids, mask = base_model.demonstrations(tasks, sft.seq_len, chat=chat)
     return base_model.supervised(model, ids, mask, sft, mesh=mesh)
+
+
+def student_chat(cfg):
+    """The byte vocabulary, or the student checkpoint's chat format."""
+    return chat_for(cfg.student.checkpoint)
 
 
 def build_student(cfg, workdir: str, mesh=None) -> glmjax.GlmForCausalLM:
     """The shared base: supervised on every domain's demonstrations, cached in workdir;
     sharded by the ambient rules with a mesh."""
+    s = cfg.student
+    if s.checkpoint and not s.finetune:
+        return base_model.load_checkpoint(s.checkpoint, cfg.model, mesh)
     path = os.path.join(workdir, "student_base")
     if os.path.exists(os.path.join(path, "config.json")):
         return glmjax.from_pretrained(path, mesh=mesh)
-    s = cfg.student
-    model = glmjax.init_model(cfg.model, seed=s.seed, mesh=mesh)
+    if s.checkpoint:
+        model = base_model.load_checkpoint(s.checkpoint, cfg.model, mesh)
+    else:
+        model = glmjax.init_model(cfg.model, seed=s.seed, mesh=mesh)
     supervised(model, [task for t in cfg.teachers.values() for task in _demonstrations(t, s.demonstrations, s.seed)], s,
-               mesh)
+               mesh, chat=student_chat(cfg) if s.checkpoint else None)
     glmjax.save_pretrained(model, path)
     return model
 
@@ -97,7 +114,9 @@ def build_teachers(cfg, workdir: str, base: glmjax.GlmForCausalLM, mesh=None) ->
         path = os.path.join(workdir, "teachers", name)
         if not os.path.exists(os.path.join(path, "config.json")):
             sft = cfg.teacher_sft_for(t)  # per-family budgets
-            save_teacher(supervised(nnx.clone(base), _demonstrations(t, sft.demonstrations, sft.seed), sft, mesh), path)
+            chat = student_chat(cfg) if cfg.student.checkpoint else None
+            save_teacher(supervised(nnx.clone(base), _demonstrations(t, sft.demonstrations, sft.seed), sft, mesh, chat),
+                         path)
         specs.append(TeacherSpec(name, path, (t.family,)))
     return TeacherRegistry(specs)
 
@@ -117,7 +136,8 @@ def mixed_train_tasks(cfg) -> list:
 
 def pass_rates(model, tasks_by_domain, cfg, mesh=None) -> dict[str, float]:
     driver = Driver(GlmEngine(model, max_concurrent_decodes=cfg.opd.slots, max_len=cfg.task.max_len, mesh=mesh))
-    return {d: evaluate(driver, tasks, cfg.task.max_new_tokens) for d, tasks in tasks_by_domain.items()}
+    chat = student_chat(cfg)
+    return {d: evaluate(driver, tasks, cfg.task.max_new_tokens, chat=chat) for d, tasks in tasks_by_domain.items()}
 
 
 class Scorer:
@@ -127,8 +147,9 @@ class Scorer:
     step 3). `prefetch_for` starts the next round's first switch early, from the queue of
     upcoming work."""
 
-    def __init__(self, registry: TeacherRegistry, switcher: TeacherSwitcher, driver: Driver, cfg):
+    def __init__(self, registry: TeacherRegistry, switcher: TeacherSwitcher, driver: Driver, cfg, chat=None):
         self.registry, self.switcher, self.driver, self.cfg = registry, switcher, driver, cfg
+        self.chat = chat or chat_for("")  # the student's format: the byte vocabulary by default
 
     def _groups(self, tasks):
         return order_by_teacher([self.registry.route(domain_of(task)) for task in tasks], self.switcher.active)
@@ -140,20 +161,21 @@ class Scorer:
 
     def rollouts(self, tasks, first_id: int, seed: int):
         """Trajectories [len(tasks)] and teacher outputs, in the order of `tasks`."""
-        o, t = self.cfg.opd, self.cfg.task
+        o, t, chat = self.cfg.opd, self.cfg.task, self.chat
         groups = self._groups(tasks)
         trajectories, teacher = [None] * len(tasks), [None] * len(tasks)
         self.switcher.prefetch(groups[0][0])  # the job's first teacher (else already active or staged)
         for g, (name, idx) in enumerate(groups):
-            handles = [self.driver.submit(Request(ro.encode(tasks[i].prompt), t.max_new_tokens,
-                                                  temperature=o.temperature, seed=seed + first_id + i,
-                                                  stop_ids=STOP)) for i in idx]
+            prompts = {i: prompt_tokens(chat, tasks[i]) for i in idx}
+            handles = [self.driver.submit(Request(prompts[i], t.max_new_tokens, temperature=o.temperature,
+                                                  seed=seed + first_id + i, stop_ids=answer_stops(chat)))
+                       for i in idx]
             self.driver.run_until_idle()
             group = []
             for i, h in zip(idx, handles):
                 res, task = h.result(), tasks[i]
-                group.append(ro.Trajectory(ro.encode(task.prompt), res.tokens, res.log_probs, res.versions,
-                                           task.verify(ro.decode(res.tokens)), rollout_id=first_id + i,
+                group.append(ro.Trajectory(prompts[i], res.tokens, res.log_probs, res.versions,
+                                           task.verify(chat.decode(res.tokens)), rollout_id=first_id + i,
                                            task_id=task.id, difficulty=task.difficulty))
             model = self.switcher.activate(name)
             if g + 1 < len(groups):
@@ -230,7 +252,7 @@ def _run(cfg, workdir: str, mesh, rules) -> dict:
     driver = Driver(GlmEngine(student, weights=store, max_concurrent_decodes=o.slots, max_len=cfg.task.max_len,
                               mesh=mesh, rules=rules))
     switcher = TeacherSwitcher(registry, prefetch=o.prefetch, device=mesh, rules=rules)
-    scorer = Scorer(registry, switcher, driver, cfg)
+    scorer = Scorer(registry, switcher, driver, cfg, chat=student_chat(cfg))
     stream = TaskStream(mixed_train_tasks(cfg), seed=cfg.task.seed)
     domains = {d: i for i, d in enumerate(sorted(heldout))}
     history = open(os.path.join(workdir, "metrics.jsonl"), "w")
@@ -260,7 +282,7 @@ def _run(cfg, workdir: str, mesh, rules) -> dict:
     opd_seconds = time.time() - opd_start
     switcher.close()
 
-    glmjax.save_pretrained(student, os.path.join(workdir, "student"))
+    export(student, os.path.join(workdir, "student"), tokenizer_from=cfg.student.checkpoint)
     final_rates = pass_rates(student, heldout, cfg, mesh)
     stats = switcher.stats
     summary = {

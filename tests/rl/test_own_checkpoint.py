@@ -1,0 +1,153 @@
+"""Post-training a team's own checkpoint: a Hugging Face directory and its tokenizer into
+the RL job, a Hugging Face directory out (configs/sao_hf.py, rl/export.py, glmjax/chat.py)."""
+
+import json
+import os
+import shutil
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import glmjax
+from glmjax.chat import HFChat, check_append_only
+from glmjax.tiny_checkpoint import make_checkpoint
+from glmjax.presets import load_config
+from rl import cli as rl_cli
+from rl import tasks as rl_tasks
+from rl.config import JobConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_checkpoint(str(tmp_path_factory.mktemp("own") / "model"), seed=3)
+
+
+def _dataset(path, rows):
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return str(path)
+
+
+def _job(checkpoint, data, **overrides):
+    cfg = load_config(os.path.join(REPO, "configs", "sao_hf.py"),
+                      [f"task.data={data}", *(f"{k}={v}" for k, v in overrides.items())], arg=checkpoint)
+    return cfg, JobConfig.from_config(cfg)
+
+
+def test_the_job_speaks_the_checkpoints_tokenizer_and_template(checkpoint, tmp_path):
+    """The model is the checkpoint's config.json; a one-turn prompt is the template's user
+    turn (a messages row: its messages), answers end at the generation config's stops."""
+    data = _dataset(tmp_path / "d.jsonl", [
+        {"id": "a", "prompt": "What is 2+3?", "answer": "5", "verifier": "number"},
+        {"id": "b", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "7*6?"}],
+         "answer": "42", "verifier": "number", "split": "heldout"}])
+    cfg, job = _job(checkpoint, data)
+    assert job.model.vocab_size == glmjax.ModelConfig.from_hf(checkpoint).vocab_size
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(checkpoint)
+    chat = rl_tasks.job_chat(job)
+    assert isinstance(chat, HFChat) and set(chat.stop_ids) == set(json.load(
+        open(os.path.join(checkpoint, "generation_config.json")))["eos_token_id"])
+    train, heldout, _ = rl_tasks.task_sets(job)
+    make = rl_tasks.RolloutFactory(job, job.task.max_len - 1)
+    for task, messages in ((train[0], [{"role": "user", "content": "What is 2+3?"}]),
+                           (heldout[0], [{"role": "system", "content": "Be brief."},
+                                         {"role": "user", "content": "7*6?"}])):
+        request = make(task, 0).next()
+        expected = tok.encode(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                              add_special_tokens=False)
+        assert list(request.prompt) == expected and tuple(request.stop_ids) == chat.stop_ids
+
+
+def test_a_checkpoint_post_trained_and_exported_loads_in_transformers_with_the_same_logits(checkpoint, tmp_path):
+    """base.checkpoint -> SAO steps in its tokenizer -> workdir/export/{step_2,final} ->
+    transformers loads the export (tokenizer and template included) with glmjax's logits."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # rows every answer passes: non-zero advantages from the first actor step, so the weights move
+    data = _dataset(tmp_path / "d.jsonl", [{"id": f"r{i}", "prompt": f"Say anything about {i}.",
+                                            "answer": ".*", "verifier": {"kind": "regex", "pattern": "(?s).*"}}
+                                           for i in range(24)])
+    workdir = str(tmp_path / "run")
+    summary = rl_cli.run(["--config", f"{REPO}/configs/sao_hf.py:{checkpoint}", "--workdir", workdir,
+                          f"--config.task.data={data}", "--config.task.eval_tasks=4", "--config.rl.steps=3",
+                          "--config.rl.batch_size=4", "--config.rl.slots=4", "--config.task.max_new_tokens=6",
+                          "--config.rl.actor_lr=1e-2", "--config.rl.export_every=2"])
+    assert summary["steps"] == 3 and summary["final_pass_rate"] == 1.0
+    final = os.path.join(workdir, "export", "final")
+    assert summary["export"] == final and os.path.isdir(os.path.join(workdir, "export", "step_2"))
+    assert {"tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json"} <= set(
+        os.listdir(final))
+
+    exported = glmjax.from_pretrained(final)
+    ids = np.random.default_rng(0).integers(0, exported.config.vocab_size, (2, 24))
+    ours = np.asarray(exported(jnp.asarray(ids)).logits)
+    reference = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs = reference(torch.tensor(ids)).logits.numpy()
+    np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)
+    base = np.asarray(glmjax.from_pretrained(checkpoint)(jnp.asarray(ids)).logits)
+    assert np.abs(ours - base).max() > 1e-3  # RL moved the weights that were exported
+    tok, original = AutoTokenizer.from_pretrained(final), AutoTokenizer.from_pretrained(checkpoint)
+    messages = [{"role": "user", "content": "hello"}]
+    assert tok.apply_chat_template(messages, add_generation_prompt=True) == original.apply_chat_template(
+        messages, add_generation_prompt=True)
+
+
+def _cli_error(capsys, argv):
+    with pytest.raises(SystemExit) as exit_:
+        rl_cli.run(argv)
+    assert exit_.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_a_bad_checkpoint_is_one_clear_error_before_any_compute(checkpoint, tmp_path, capsys):
+    data = _dataset(tmp_path / "d.jsonl", [{"prompt": "1+1?", "answer": "2", "verifier": "number"}] * 1)
+    args = lambda ckpt: ["--config", f"{REPO}/configs/sao_hf.py:{ckpt}", "--workdir", str(tmp_path / "w"),  # noqa: E731
+                         f"--config.task.data={data}"]
+
+    assert "does not exist" in _cli_error(capsys, args(str(tmp_path / "nowhere")))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "has no config.json" in _cli_error(capsys, args(str(empty)))
+
+    no_tokenizer = tmp_path / "no_tokenizer"
+    shutil.copytree(checkpoint, no_tokenizer)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        os.remove(no_tokenizer / name)
+    assert "tokenizer does not load" in _cli_error(capsys, args(str(no_tokenizer)))
+
+    no_template = tmp_path / "no_template"
+    shutil.copytree(checkpoint, no_template)
+    os.remove(no_template / "chat_template.jinja")
+    assert "has no chat_template" in _cli_error(capsys, args(str(no_template)))
+
+    # a template that shows only the last tool result re-renders a history differently from how it was built
+    forgetful = tmp_path / "forgetful"
+    shutil.copytree(checkpoint, forgetful)
+    template = (forgetful / "chat_template.jinja").read_text()
+    (forgetful / "chat_template.jinja").write_text(template.replace(
+        "{{ m.content }}\n</tool_response>", "{{ m.content if loop.last else '' }}\n</tool_response>"))
+    line = _cli_error(capsys, args(str(forgetful)))
+    assert "cannot train token in, token out" in line and "in turn 3 (observation" in line
+    assert not os.path.exists(tmp_path / "w" / "checkpoints")
+
+
+def test_the_append_only_check_names_the_turn_a_template_rewrites(checkpoint):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(checkpoint)
+    check_append_only(HFChat(tok))
+    # GLM-4.5's habit for past reasoning: assistant turns before the last are re-rendered without it
+    tok.chat_template = tok.chat_template.replace(
+        "{% elif m.role == 'assistant' %}<|assistant|>\n{{ m.content if m.content is string else '' }}",
+        "{% elif m.role == 'assistant' %}<|assistant|>\n{{ (m.content if loop.revindex0 < 2 else "
+        "m.content.split('</tool_call>')[-1]) if m.content is string else '' }}")
+    with pytest.raises(ValueError, match=r"in turn 2 \(assistant"):
+        check_append_only(HFChat(tok))
