@@ -151,3 +151,46 @@ def test_the_append_only_check_names_the_turn_a_template_rewrites(checkpoint):
         "m.content.split('</tool_call>')[-1]) if m.content is string else '' }}")
     with pytest.raises(ValueError, match=r"in turn 2 \(assistant"):
         check_append_only(HFChat(tok))
+
+
+CHATML_JSON_TEMPLATE = (  # a Hermes / Qwen-style template of our own: ChatML turns, JSON tool calls
+    "{% if tools %}<|im_start|>system\nTools: {% for t in tools %}{{ t.function.name }} {% endfor %}"
+    "Call one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call><|im_end|>\n{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("style", ["glm", "json"])
+def test_oracle_episodes_in_the_templates_own_tool_call_format_are_rewarded(checkpoint, tmp_path, style):
+    """GLM's template (XML tool calls, <|observation|>) and a ChatML one (JSON tool calls,
+    tool results as a user turn, <|im_end|> as the stop): the format is read from the
+    template, the demonstration restated in it, parsed back by the env and rewarded."""
+    from envs import families
+    from envs.sandbox.sandbox import Limits
+    from envs.shell import ShellEnv
+
+    path = checkpoint
+    if style == "json":
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(checkpoint)
+        tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+        tok.eos_token, tok.chat_template = "<|im_end|>", CHATML_JSON_TEMPLATE
+        path = str(tmp_path / "chatml")
+        shutil.copytree(checkpoint, path)
+        os.remove(os.path.join(path, "generation_config.json"))
+        tok.save_pretrained(path)
+    chat = rl_tasks.chat_for(path, agentic=True)
+    check_append_only(chat)
+    cfg = load_config(os.path.join(REPO, "configs", "sao_hf_agent.py"), arg=path)
+    job = JobConfig.from_config(cfg)
+    assert rl_tasks.action_format(job) == style
+    task = families.make_tasks("lookup", 1, seed=2, difficulty=1)[0]
+    env = ShellEnv(limits=Limits(wall_seconds=5.0), max_turns=4, show_help=False, action_format=style)
+    episode = rl_tasks.oracle_episode(task, env, chat, window=job.task.max_len - 1, style=style)
+    assert episode.reward == 1.0 and episode.turns == 2
+    text = chat.tokenizer.decode(episode.row)
+    assert ('"name": "bash"' in text) == (style == "json") and ("<arg_key>command" in text) == (style == "glm")
