@@ -8,7 +8,10 @@ both (rl/engine/speculative.py).
 
 The log-prob reported for a token (`token_logprobs`) is the one the learner needs as the
 behaviour policy: log softmax(logits / T) with top-k applied when sampled; for greedy
-rows (T = 0) the plain log softmax(logits) of the chosen token.
+rows (T = 0) the plain log softmax(logits) of the chosen token. `top_logprobs` gives a
+row's k most likely tokens under that same distribution (the temperature-scaled, top-k
+truncated one a sampled row draws from; log softmax(logits) for a greedy row), so the
+reported token's log-prob is among them whenever it ranks in the top k.
 """
 
 from __future__ import annotations
@@ -57,6 +60,16 @@ def token_logprobs(logits: jax.Array, logp: jax.Array, tokens: jax.Array, temper
     raw = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tokens[..., None], axis=-1)[..., 0]
     sampled = jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
     return jnp.where(greedy, raw, sampled)
+
+
+def top_logprobs(logits: jax.Array, logp: jax.Array, temperature: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """The k most likely tokens (ids [B, ..., k] int32, log-probs [B, ..., k], most likely
+    first) under the distribution `token_logprobs` reports from: logp (the sampling
+    distribution) for sampled rows, log softmax(logits) for greedy rows. Tokens that top-k
+    sampling excludes have log-prob -inf."""
+    greedy = _per_row(temperature, logits) <= 0
+    values, ids = jax.lax.top_k(jnp.where(greedy, jax.nn.log_softmax(logits, axis=-1), logp), k)
+    return ids.astype(jnp.int32), values
 
 
 def split_keys(keys: jax.Array, num: int) -> tuple[jax.Array, jax.Array]:

@@ -1,14 +1,33 @@
-"""glmjax-serve: the command line of the JetStream gRPC server (rl/engine/serve.py).
+"""glmjax-serve: the command line of the JetStream gRPC server (rl/engine/serve.py) and of
+the OpenAI-compatible HTTP API (rl/engine/openai_api.py) over the same engine.
 
     glmjax-serve --checkpoint DIR --host 127.0.0.1 --port 9000 [--slots 8 --max-len 2048]
     GLMJAX_SERVE_TOKEN=... glmjax-serve --checkpoint DIR --host 0.0.0.0 --metrics-port 9100
     glmjax-serve --checkpoint DIR --quantize int8
+    glmjax-serve --checkpoint DIR --http-port 8000             # gRPC on 9000 and HTTP on 8000
+    glmjax-serve --checkpoint DIR --port off --http-port 8000  # HTTP only
     glmjax-serve --route 10.0.0.1:9000,10.0.0.2:9000 --port 9000 --slots 8
 
-Flags: --checkpoint (HF-format directory) or --route, --host, --port, --slots, --max-len,
---num-draft and --mtp-mode (MTP speculation), --temperature, --top-k, --stop-ids,
---prefix-cache, --dtype, --quantize, --mesh, --warmup, --metrics-port, --auth-token,
---insecure. With `--mesh tensor=2,expert=2` the checkpoint loads sharded onto that many
+Flags: --checkpoint (HF-format directory) or --route, --host, --port (gRPC; `off`: none),
+--http-port, --model-name, --slots, --max-len, --num-draft and --mtp-mode (MTP
+speculation), --temperature, --top-k, --stop-ids, --prefix-cache, --dtype, --quantize,
+--mesh, --warmup, --metrics-port, --auth-token, --insecure.
+
+The OpenAI API (`--http-port PORT`, 0: a free one; on --host, beside the gRPC port or
+alone with `--port off`): /v1/models, /v1/completions and /v1/chat/completions as model
+`--model-name` (default: the checkpoint directory's name), with the tokenizer and chat
+template of the checkpoint directory (transformers.AutoTokenizer). A checkpoint without
+tokenizer files or without a chat template is refused before any weights load (one error
+line): the API's chat endpoint and its sessions need the template. Requests carry their
+own sampling settings; --temperature and --top-k are the gRPC server's. The API stops a
+reply at generation_config.json's eos ids, the tokenizer's eos, GLM's <|user|> /
+<|observation|> / <|endoftext|> when the vocabulary has them, and --stop-ids. Both servers
+check the same token (--auth-token / $GLMJAX_SERVE_TOKEN; HTTP clients send
+`Authorization: Bearer <token>`, as the OpenAI SDKs do with api_key) and count in the same
+metrics registry, served on --metrics-port. --http-port needs --checkpoint: a --route
+router has no tokenizer.
+
+With `--mesh tensor=2,expert=2` the checkpoint loads sharded onto that many
 devices and the engine decodes on them (experts all-to-all over `expert`, heads and hidden
 over `tensor`, sharding.DECODE_RULES). `--quantize int8|int4` serves the model with its
 routed experts stored as integers (rl/engine/quant.py: int8 per output channel, int4 per
@@ -39,7 +58,7 @@ import os
 
 from rl.engine.driver import Driver
 from rl.engine.router import GrpcReplica, Router
-from rl.engine.serve import TOKEN_ENV, Server, check_access, start_server
+from rl.engine.serve import TOKEN_ENV, Metrics, Server, check_access, check_bind, serve_metrics, start_server
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +88,7 @@ def build_driver(args: argparse.Namespace) -> Driver:
                        num_draft=args.num_draft if model.mtp is not None else 0, mtp_mode=args.mtp_mode, mesh=mesh,
                        rules=sharding.DECODE_RULES)
     if args.warmup:
-        engine.warmup()
+        engine.warmup(top_logprobs=args.http_port is not None)  # the API's log-prob requests run their own programs
     return Driver(engine, prefix_cache_size=args.prefix_cache)
 
 
@@ -79,11 +98,44 @@ def build_router(args: argparse.Namespace) -> Router:
     return Router([GrpcReplica(target, capacity=args.slots, token=args.auth_token) for target in args.route])
 
 
-def start_from_args(args: argparse.Namespace, backend: Driver | Router) -> Server:
+def start_from_args(args: argparse.Namespace, backend: Driver | Router, metrics: Metrics | None = None) -> Server:
     """start_server with the command line's address, access, metrics and sampling settings."""
     return start_server(backend, args.host, args.port, token=args.auth_token, insecure=args.insecure,
-                        metrics_port=args.metrics_port, temperature=args.temperature, top_k=args.top_k,
-                        stop_ids=args.stop_ids)
+                        metrics_port=args.metrics_port, metrics=metrics, temperature=args.temperature,
+                        top_k=args.top_k, stop_ids=args.stop_ids)
+
+
+def http_stop_ids(args: argparse.Namespace) -> tuple[int, ...]:
+    """The tokens that end an API reply: generation_config.json's eos ids, the tokenizer's
+    (openai_api.default_stop_ids) and --stop-ids."""
+    from rl.engine.openai_api import default_stop_ids
+
+    stops = []
+    config = os.path.join(args.checkpoint, "generation_config.json")
+    if os.path.isfile(config):
+        with open(config) as f:
+            eos = json.load(f).get("eos_token_id")
+        stops = [eos] if isinstance(eos, int) else list(eos or ())
+    return tuple(dict.fromkeys([int(t) for t in stops] + list(default_stop_ids(args.tokenizer)) + list(args.stop_ids)))
+
+
+def start_http_from_args(args: argparse.Namespace, driver: Driver, metrics: Metrics | None = None):
+    """The OpenAI API (rl/engine/openai_api.py) over `driver` on --host:--http-port."""
+    from rl.engine.openai_api import OpenAIServer
+
+    server = OpenAIServer(driver, args.tokenizer, args.model_name, auth_token=args.auth_token, metrics=metrics,
+                          max_len=args.max_len, stop_ids=http_stop_ids(args))
+    return server.start(args.host, args.http_port, insecure=args.insecure)
+
+
+def _port(text: str) -> int | None:
+    """--port: a number, or `off` for no gRPC server."""
+    if text == "off":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number or 'off'") from None
 
 
 QUANTIZE = ("int8", "int4")  # --quantize's choices: rl/engine/quant.py's integer modes
@@ -97,7 +149,12 @@ def make_parser() -> argparse.ArgumentParser:
                         help="serve no model: route requests to these glmjax-serve replicas, "
                              "comma-separated HOST:PORT, e.g. 10.0.0.1:9000,10.0.0.2:9000")
     p.add_argument("--host", default="127.0.0.1", help="a non-loopback address needs a token or --insecure")
-    p.add_argument("--port", type=int, default=9000)
+    p.add_argument("--port", type=_port, default=9000,
+                   help="the gRPC server's port (0: a free one; off: no gRPC server, with --http-port)")
+    p.add_argument("--http-port", type=int, default=None,
+                   help="also serve the OpenAI-compatible HTTP API on this port (0: a free one)")
+    p.add_argument("--model-name", default=None,
+                   help="the model's name in the OpenAI API (default: the checkpoint directory's name)")
     p.add_argument("--slots", type=int, default=8, help="concurrent decodes (with --route: each replica's --slots)")
     p.add_argument("--max-len", type=int, default=None,
                    help="tokens per slot: prompt + generated (default 2048, or the checkpoint's "
@@ -136,6 +193,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             _check_route(args, parser)
         else:
             _check_args(args)
+            _check_http(args)
     except ValueError as err:
         parser.error(str(err))
     return args
@@ -143,7 +201,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # Flags that set up a served model; a router's replicas take them on their own command lines.
 _MODEL_FLAGS = ("max_len", "num_draft", "mtp_mode", "temperature", "top_k", "stop_ids", "prefix_cache", "dtype",
-                "quantize", "mesh", "warmup")
+                "quantize", "mesh", "warmup", "http_port", "model_name")
 
 
 def _check_route(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -170,11 +228,41 @@ def _check_route(args: argparse.Namespace, parser: argparse.ArgumentParser) -> N
 
 
 def _check_listen(args: argparse.Namespace) -> None:
-    """--port and --metrics-port in range, and --host allowed by the access rule."""
-    for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+    """--port, --http-port and --metrics-port in range and distinct, at least one server,
+    and --host allowed by the access rule."""
+    ports = (("--port", args.port), ("--http-port", args.http_port), ("--metrics-port", args.metrics_port))
+    for flag, port in ports:
         if port is not None and not 0 <= port <= 65535:
             raise ValueError(f"{flag} {port} must be in [0, 65535]")
+    if args.port is None and args.http_port is None:
+        raise ValueError("--port off serves nothing: add --http-port PORT for the OpenAI API, or give --port a number")
+    named = [(flag, port) for flag, port in ports if port]
+    for i, (flag, port) in enumerate(named):
+        for other, same in named[i + 1:]:
+            if port == same:
+                raise ValueError(f"{flag} and {other} are both {port}: each server needs its own port")
     check_access(args.host, args.auth_token, args.insecure)
+
+
+def _check_http(args: argparse.Namespace) -> None:
+    """With --http-port: the checkpoint's tokenizer loads and has a chat template (kept as
+    args.tokenizer), and --model-name defaults to the directory's name."""
+    args.tokenizer = None
+    if args.http_port is None:
+        return
+    from transformers import AutoTokenizer
+
+    path = args.checkpoint
+    try:
+        args.tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as err:
+        raise ValueError(f"--http-port needs the tokenizer of --checkpoint {path}, which does not load "
+                         f"({type(err).__name__}: {' '.join(str(err).split())[:200]}); expected tokenizer.json or "
+                         "the tokenizer's own files beside config.json") from None
+    if not getattr(args.tokenizer, "chat_template", None):
+        raise ValueError(f"--http-port needs a chat template: --checkpoint {path}'s tokenizer has none (add "
+                         "chat_template.jinja beside tokenizer_config.json)")
+    args.model_name = args.model_name or os.path.basename(os.path.normpath(path))
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -242,6 +330,11 @@ def main(argv=None) -> None:
 
     logging.basicConfig(level=logging.INFO)
     args = parse_args(argv)
+    if args.http_port:  # a taken port is found before the weights load
+        try:
+            check_bind(args.host, args.http_port)
+        except OSError as err:
+            make_parser().error(str(err))
     if args.route:
         backend = build_router(args)
     else:
@@ -249,11 +342,21 @@ def main(argv=None) -> None:
             backend = build_driver(args)
         except (OSError, json.JSONDecodeError, CheckpointMismatch, SafetensorError) as err:
             make_parser().error(f"--checkpoint {args.checkpoint}: {err}")
+    metrics = Metrics(backend) if args.metrics_port is not None else None
+    server = http = metrics_http = None
     try:
-        server = start_from_args(args, backend)
+        if args.port is not None:
+            server = start_from_args(args, backend, metrics)
+        elif metrics is not None:
+            metrics_http = serve_metrics(metrics, args.host, args.metrics_port)
+        if args.http_port is not None:
+            http = start_http_from_args(args, backend, metrics)
     except OSError as err:
+        for running in (server, http):
+            if running is not None:
+                running.stop()
         make_parser().error(str(err))
-    metrics = f", metrics on http://{args.host}:{server.metrics_port}/metrics" if server.metrics else ""
+    metrics_port = server.metrics_port if server is not None else metrics_http and metrics_http.server_port
     if args.route:
         for replica in backend.replicas:
             if not replica.running:
@@ -262,14 +365,22 @@ def main(argv=None) -> None:
         what, slots = f"a router over {', '.join(args.route)}", f"{args.slots} slots each"
     else:
         what, slots = args.checkpoint, f"{args.slots} slots" + (f", {args.quantize} experts" if args.quantize else "")
-    log.info("glmjax-serve: %s on %s:%d (%s%s%s)", what, args.host, server.port, slots,
-             ", token required" if args.auth_token else "", metrics)
+    where = ([f"gRPC on {args.host}:{server.port}"] if server else []) + ([f"OpenAI API on {http.base_url} as "
+                                                                            f"{args.model_name!r}"] if http else [])
+    log.info("glmjax-serve: %s, %s (%s%s%s)", what, " and ".join(where), slots,
+             ", token required" if args.auth_token else "",
+             f", metrics on http://{args.host}:{metrics_port}/metrics" if metrics is not None else "")
     try:
-        server.wait()
+        server.wait() if server is not None else http.wait()
     except KeyboardInterrupt:
         pass
     finally:
-        server.stop(grace=1.0)
+        if http is not None:
+            http.stop()
+        if server is not None:
+            server.stop(grace=1.0)
+        if metrics_http is not None:
+            metrics_http.shutdown()
         backend.stop()
 
 

@@ -6,6 +6,10 @@
     driver.run_until_idle()          # or driver.start() for a background thread
     result = handle.result()         # tokens, log_probs, versions, finish_reason
 
+`Request.top_logprobs = k` also returns, per generated token, the k most likely tokens
+and their log-probs under the distribution the token was sampled from
+(glmjax/sampling.top_logprobs); a step computes them only when a request in it asks.
+
 Each `step` first moves the highest-numbered requests down into free slots (requests
 hold the lowest slots, so a step runs only as many rows as are in flight), then fills
 every free slot from the queue (one batched prefill per bucket length, reusing the
@@ -32,6 +36,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -51,6 +56,7 @@ class Request:
     seed: int = 0
     session_id: str | None = None
     stop_ids: Sequence[int] = ()
+    top_logprobs: int = 0  # k alternatives per generated token (<= the engine's max_top_logprobs)
 
 
 @dataclasses.dataclass
@@ -62,6 +68,18 @@ class Result:
     prompt_tokens: int = 0
     reused_tokens: int = 0  # prompt tokens taken from the session's cached prefix
     error: str | None = None
+    # per token, when Request.top_logprobs = k: [(token id, log-prob), ...], k of them, most
+    # likely first, under the same distribution as log_probs (tokens of probability 0 left out)
+    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+
+
+class Chunk(NamedTuple):
+    """Tokens handed to a request by one step, with what the Result records of each."""
+
+    tokens: list[int]
+    log_probs: list[float]
+    versions: list[int]
+    top_logprobs: list[list[tuple[int, float]]]  # empty unless the request asked
 
 
 class Handle:
@@ -73,6 +91,9 @@ class Handle:
         self._result: Result | None = None
         self._chunks: queue.SimpleQueue = queue.SimpleQueue()
         self._callbacks: list[Callable[[Handle], None]] = []
+        self._chunk_callbacks: list[Callable[[Chunk], None]] = []
+        self._emitted, self._partial = 0, None  # tokens handed out so far, and the Result holding them
+        self._tokens: list[int] = []  # the tokens handed out, for a chunk callback registered late
         self._lock = threading.Lock()
         self.cancelled = False
         self.on_cancel: Callable[[], None] | None = None
@@ -106,9 +127,39 @@ class Handle:
                 return
         fn(self)
 
-    def _emit(self, tokens: list[int]) -> None:
-        if tokens:
-            self._chunks.put(tokens)
+    def add_chunk_callback(self, fn: Callable[[Chunk], None]) -> None:
+        """Calls fn(Chunk) with the tokens handed out so far (one chunk, if any), then with
+        every later chunk, in order, in the driver's thread: fn must not block."""
+        with self._lock:
+            self._chunk_callbacks.append(fn)
+            if self._emitted:  # under the lock: no later chunk can overtake these
+                fn(self._chunk(self._partial, 0, self._emitted))
+
+    def _chunk(self, result: Result | None, start: int, end: int) -> Chunk:
+        """Tokens [start, end) of the request's output, from `result` (None: a replica's
+        stream, which carries token ids only)."""
+        if result is None:
+            n = end - start
+            return Chunk(self._tokens[start:end], [float("nan")] * n, [-1] * n, [])
+        top = result.top_logprobs[start:end] if self.request.top_logprobs else []
+        return Chunk(result.tokens[start:end], result.log_probs[start:end], result.versions[start:end], top)
+
+    def _emit(self, tokens: list[int], result: Result | None = None) -> None:
+        """Hands out new tokens; `result` (the request's, already holding them) gives their
+        log-probs, versions and alternatives."""
+        if not tokens:
+            return
+        self._chunks.put(tokens)
+        with self._lock:
+            start = self._emitted
+            self._emitted += len(tokens)
+            self._partial = result
+            self._tokens.extend(tokens)
+            callbacks = list(self._chunk_callbacks)
+        if callbacks:
+            chunk = self._chunk(result, start, start + len(tokens))
+            for fn in callbacks:
+                fn(chunk)
 
     def _finish(self, result: Result) -> None:
         with self._lock:
@@ -194,6 +245,9 @@ class Driver:
             raise ValueError(f"Request.temperature={request.temperature} must be >= 0")
         if not 0 <= request.top_k <= e.max_top_k:
             raise ValueError(f"Request.top_k={request.top_k} must be in [0, max_top_k={e.max_top_k}]")
+        if not 0 <= request.top_logprobs <= e.max_top_logprobs:
+            raise ValueError(f"Request.top_logprobs={request.top_logprobs} must be in "
+                             f"[0, max_top_logprobs={e.max_top_logprobs}]")
 
     def submit(self, request: Request, handle: Handle | None = None) -> Handle:
         """Queues a request (ValueError at once if it cannot be served). `handle`: fill
@@ -220,7 +274,8 @@ class Driver:
         if not busy:
             return bool(self._queue)
         rows = self.engine.rows_for(busy[-1] + 1)  # requests hold the lowest slots (_compact)
-        self.state, result = self.engine.generate_rows(self.params, self.state, rows)
+        top = any(self._slots[i].handle.request.top_logprobs for i in busy)
+        self.state, result = self.engine.generate_rows(self.params, self.state, rows, top_logprobs=top)
         result = result.convert_to_numpy()
         self.stats["steps"] += 1
         self.stats["busy_slot_steps"] += len(busy)
@@ -229,7 +284,8 @@ class Driver:
             n = int(r.valid[0].sum())
             self.stats["accepted_drafts"] += n - 1
             self.acceptance[n - 1] += 1
-            self._take(i, r.tokens[0, :n], r.log_probs[0, :n], r.versions[0, :n])
+            self._take(i, r.tokens[0, :n], r.log_probs[0, :n], r.versions[0, :n],
+                       None if r.top_ids is None else (r.top_ids[0, :n], r.top_logps[0, :n]))
         if self.trace is not None:
             self.trace.append((start, time.perf_counter(), len(busy)))
         return self.load > 0
@@ -276,26 +332,33 @@ class Driver:
     def _start(self, group, weights) -> None:
         e = self.engine
         sampling = [SamplingParams(h.request.temperature, h.request.top_k, h.request.seed) for _, h, *_ in group]
+        top = any(h.request.top_logprobs for _, h, *_ in group)
         prefix = e.prefill_batch(params=weights, tokens=[np.asarray(p[pos:], np.int32) for _, _, p, _, _, pos in group],
-                                 existing=[c for *_, c, _ in group], sampling=sampling)
+                                 existing=[c for *_, c, _ in group], sampling=sampling, top_logprobs=top)
         self.state = e.insert_batch(prefix, self.state, [i for i, *_ in group])
         tokens, log_probs, versions = np.asarray(prefix.token), np.asarray(prefix.log_prob), np.asarray(prefix.version)
+        top_ids, top_logps = (None, None) if prefix.top is None else (np.asarray(x) for x in prefix.top)
         for row, (i, handle, prompt, reused, _, _) in enumerate(group):
             self.stats["prefill_tokens"] += len(prompt) - reused
             self.stats["reused_tokens"] += reused
             self._slots[i] = _Slot(handle, prompt, reused, Result([], [], [], "", len(prompt), reused), [])
-            self._take(i, tokens[row:row + 1], log_probs[row:row + 1], versions[row:row + 1])
+            self._take(i, tokens[row:row + 1], log_probs[row:row + 1], versions[row:row + 1],
+                       None if top_ids is None else (top_ids[row:row + 1], top_logps[row:row + 1]))
 
-    def _take(self, i: int, tokens, log_probs, versions) -> None:
-        """Hands slot i's new tokens to its request; finishes it on a stop id or its budget."""
+    def _take(self, i: int, tokens, log_probs, versions, top=None) -> None:
+        """Hands slot i's new tokens to its request; finishes it on a stop id or its budget.
+        top: (ids, log-probs) [n, max_top_logprobs] of the step's alternatives, or None."""
         slot = self._slots[i]
         req, out = slot.handle.request, slot.out
         slot.emitted.extend(int(t) for t in tokens)
         new, reason = [], None
-        for t, lp, v in zip(tokens, log_probs, versions):
+        for j, (t, lp, v) in enumerate(zip(tokens, log_probs, versions)):
             new.append(int(t))
             out.log_probs.append(float(lp))
             out.versions.append(int(v))
+            if req.top_logprobs:
+                ids, logps = top[0][j, :req.top_logprobs], top[1][j, :req.top_logprobs]
+                out.top_logprobs.append([(int(a), float(b)) for a, b in zip(ids, logps) if b > -np.inf])
             if int(t) in req.stop_ids:
                 reason = "stop"
             elif len(out.tokens) + len(new) >= req.max_new_tokens:
@@ -304,7 +367,7 @@ class Driver:
                 break
         out.tokens.extend(new)
         self.stats["tokens"] += len(new)
-        slot.handle._emit(new)
+        slot.handle._emit(new, out)
         if reason:
             self._release(i, reason)
 

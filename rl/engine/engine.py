@@ -17,6 +17,11 @@ methods). Differences that callers see:
     Prefix (`prefix.token`), and `prefill` takes the request's `sampling` settings.
   * `ResultTokens` also carries `log_probs` and `versions` per token; with speculation a
     step returns up to K + 1 tokens per slot, `valid` marking how many.
+  * `generate_rows(..., top_logprobs=True)` and `prefill_batch(..., top_logprobs=True)`
+    also return each token's max_top_logprobs most likely alternatives and their log-probs
+    (`ResultTokens.top_ids / top_logps`, `Prefix.top`), from the distribution its
+    log-prob is taken from (glmjax/sampling.top_logprobs). They are separate programs,
+    compiled when first asked for: a caller that never asks runs what it ran before.
   * Additions: `prefill_batch` / `insert_batch` (several requests in one call),
     `generate_rows` (a step over the first n slots), `extract` (a slot's cache as a
     batch-1 KVCache, for prefix reuse), `free` (stop a slot), `move` (a slot into another).
@@ -37,6 +42,7 @@ slots (`move`). Each row count compiles once.
 from __future__ import annotations
 
 import abc
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -46,7 +52,7 @@ from flax import nnx, struct
 
 from glmjax import decoding, sharding
 from glmjax.cache import KVCache
-from glmjax.sampling import SamplingParams, split_keys, token_logprobs
+from glmjax.sampling import SamplingParams, sampling_logprobs, split_keys, token_logprobs, top_logprobs
 from rl.engine import speculative
 from rl.engine.weights import Weights, WeightStore, has_shardings
 
@@ -101,6 +107,9 @@ except ImportError:
         def colocated_cpus(self): ...
 
 
+TOP_LOGPROBS = 20  # the most alternatives per token a request may ask for (OpenAI's top_logprobs limit)
+
+
 @struct.dataclass
 class SlotData:
     tokens: Any  # [samples, K+1]
@@ -108,12 +117,15 @@ class SlotData:
     lengths: Any  # [samples]
     log_probs: Any  # [samples, K+1]
     versions: Any
+    top_ids: Any = None  # [samples, K+1, max_top_logprobs] when the step was asked for them
+    top_logps: Any = None
 
 
 @struct.dataclass
 class ResultTokens:
     """JetStream 0.2.2's ResultTokens (tokens, validity and lengths in one int32 array
-    `data` [B, 2(K+1) + 1]) plus per-token log_probs [B, K+1] and versions [B, K+1]."""
+    `data` [B, 2(K+1) + 1]) plus per-token log_probs [B, K+1] and versions [B, K+1], and,
+    from a step asked for them, the alternatives top_ids / top_logps [B, K+1, max_top_logprobs]."""
 
     data: Any
     log_probs: Any
@@ -122,21 +134,26 @@ class ResultTokens:
     valid_idx: tuple[int, int] = struct.field(pytree_node=False)
     length_idx: tuple[int, int] = struct.field(pytree_node=False)
     samples_per_slot: int = struct.field(pytree_node=False)
+    top_ids: Any = None
+    top_logps: Any = None
+
+    _ARRAYS = ("data", "log_probs", "versions", "top_ids", "top_logps")
 
     def copy_to_host_async(self) -> None:
-        for x in (self.data, self.log_probs, self.versions):
+        for name in self._ARRAYS:
+            x = getattr(self, name)
             if isinstance(x, jax.Array):
                 x.copy_to_host_async()
 
     def convert_to_numpy(self) -> "ResultTokens":
-        return self.replace(**dict(zip(("data", "log_probs", "versions"),
-                                       jax.device_get((self.data, self.log_probs, self.versions)))))
+        return self.replace(**dict(zip(self._ARRAYS, jax.device_get([getattr(self, n) for n in self._ARRAYS]))))
 
     def get_result_at_slot(self, slot: int) -> SlotData:
         rows = slice(slot * self.samples_per_slot, (slot + 1) * self.samples_per_slot)
         cols = lambda idx: self.data[rows, idx[0]:idx[1]]  # noqa: E731
+        top = (None, None) if self.top_ids is None else (self.top_ids[rows], self.top_logps[rows])
         return SlotData(cols(self.tokens_idx), cols(self.valid_idx), cols(self.length_idx)[:, 0],
-                        self.log_probs[rows], self.versions[rows])
+                        self.log_probs[rows], self.versions[rows], *top)
 
 
 class Prefix(NamedTuple):
@@ -151,6 +168,7 @@ class Prefix(NamedTuple):
     temperature: jax.Array  # [n]
     top_k: jax.Array  # [n]
     rng: jax.Array  # [n] keys
+    top: Any = None  # (ids, log-probs) [n, max_top_logprobs] of `token`'s alternatives, when asked
 
 
 class DecodeState(NamedTuple):
@@ -210,6 +228,7 @@ class GlmEngine(_Engine):
             raise ValueError(f"max_len={max_len} exceeds max_position_embeddings={self.config.max_position_embeddings}")
         self.max_len, self.num_draft, self.mtp_mode = max_len, num_draft, mtp_mode
         self.max_top_k = min(max_top_k, self.config.vocab_size)
+        self.max_top_logprobs = min(TOP_LOGPROBS, self.config.vocab_size)
         self._slots = max_concurrent_decodes
         self._max_prefill = min(max_prefill_length or max_len, max_len)
         self.buckets = tuple(sorted(prefill_buckets)) if prefill_buckets else default_buckets(self._max_prefill)
@@ -227,10 +246,13 @@ class GlmEngine(_Engine):
             self.state_shardings = self._state_shardings(jax.eval_shape(self._zero_state))
         st, rep = self.state_shardings, sharding.NamedSharding(self._mesh, sharding.PartitionSpec())
         result = (rep,) * 3  # a step's results [B, K+1]: on every device, read by the host each step
-        self._prefill_fn = jax.jit(self._prefill_impl)
+        self._prefill_fn = jax.jit(self._prefill_impl, static_argnames=("top",))
         self._init_fn = jax.jit(self._zero_state, out_shardings=st)
-        self._generate_fn = jax.jit(self._generate_rows, in_shardings=(None, st, rep), out_shardings=(st, result),
-                                    donate_argnums=(1,), static_argnums=(3,))
+        # with the alternatives asked for: a program of its own, so the usual step stays as it was
+        self._generate_fn = {top: jax.jit(functools.partial(self._generate_rows, top=top), in_shardings=(None, st, rep),
+                                          out_shardings=(st, result + (rep,) * 2 * top), donate_argnums=(1,),
+                                          static_argnums=(3,))
+                             for top in (False, True)}
         self._move_fn = jax.jit(self._move_impl, in_shardings=(st, rep, rep), out_shardings=st, donate_argnums=(0,))
         self._insert_fn = jax.jit(self._insert_impl, in_shardings=(None, st, rep), out_shardings=st,
                                   donate_argnums=(1,))
@@ -349,11 +371,12 @@ class GlmEngine(_Engine):
         return self.prefill_batch(params=params, tokens=[tokens[:true_length]], existing=[existing_prefix],
                                   sampling=[sampling])
 
-    def prefill_batch(self, *, params, tokens, existing=None, sampling=None) -> Prefix:
+    def prefill_batch(self, *, params, tokens, existing=None, sampling=None, top_logprobs: bool = False) -> Prefix:
         """Several prefills in one call: tokens, a list of n id arrays, each appended after
         its existing cache (a list of Prefix / KVCache / None) with its SamplingParams. The
         batch is padded to a power of two (padding rows are marked by `insert_batch`'s
-        slots), the length to a bucket. Returns a Prefix of that batch."""
+        slots), the length to a bucket. Returns a Prefix of that batch; with
+        `top_logprobs`, its `top` holds the first token's alternatives."""
         n = len(tokens)
         rows = 1 << (n - 1).bit_length()
         existing = list(existing or [None] * n) + [None] * (rows - n)
@@ -376,13 +399,16 @@ class GlmEngine(_Engine):
                 cache = caches[0] if rows == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *caches)
         w = self._weights(params)
         with self._on_mesh():
-            return self._prefill_fn(self._leaves(w), cache, jnp.asarray(ids), jnp.asarray(lengths, jnp.int32),
-                                    jnp.asarray([s.temperature for s in sampling], jnp.float32),
-                                    jnp.asarray([s.top_k for s in sampling], jnp.int32),
-                                    jnp.stack([jax.random.key(s.seed) for s in sampling]), np.int32(w.version))
+            prefix, top = self._prefill_fn(self._leaves(w), cache, jnp.asarray(ids), jnp.asarray(lengths, jnp.int32),
+                                           jnp.asarray([s.temperature for s in sampling], jnp.float32),
+                                           jnp.asarray([s.top_k for s in sampling], jnp.int32),
+                                           jnp.stack([jax.random.key(s.seed) for s in sampling]), np.int32(w.version),
+                                           top=bool(top_logprobs))
+        return prefix if top is None else prefix._replace(top=top)
 
-    def _prefill_impl(self, leaves, cache, ids, true_length, temperature, top_k, keys, version):
-        """ids [n, T] after cache [n, S]; true_length, temperature, top_k, keys [n]."""
+    def _prefill_impl(self, leaves, cache, ids, true_length, temperature, top_k, keys, version, top: bool):
+        """ids [n, T] after cache [n, S]; true_length, temperature, top_k, keys [n]. Returns
+        (the Prefix, the first token's alternatives or None)."""
         model = self._model(leaves)
         start = cache.lengths  # [n]
         keys, subs = split_keys(keys, 1 + self.num_draft)
@@ -392,7 +418,12 @@ class GlmEngine(_Engine):
                                                 true_length - 1, temperature, top_k, subs[1:])
         prefix = Prefix(cache, token, log_prob, jnp.full(token.shape, version), drafts, draft_logp, temperature,
                         top_k, keys)
-        return jax.lax.with_sharding_constraint(prefix, self._prefix_shardings(prefix))
+        alternatives = None
+        if top:
+            logits = out.logits[:, 0]  # [n, N] at each row's last real token
+            logp = sampling_logprobs(logits, temperature, top_k, self.max_top_k)
+            alternatives = top_logprobs(logits, logp, temperature, self.max_top_logprobs)
+        return jax.lax.with_sharding_constraint(prefix, self._prefix_shardings(prefix)), alternatives
 
     def _prefix_shardings(self, prefix: Prefix) -> Prefix:
         """A Prefix of n rows laid out as n slots of the decode state."""
@@ -420,19 +451,22 @@ class GlmEngine(_Engine):
                                                 self.max_top_k)
         return drafts, logp, cache
 
-    def warmup(self, buckets=None) -> None:
+    def warmup(self, buckets=None, top_logprobs: bool = False) -> None:
         """Compiles every prefill shape (batches of 1, 2, 4 .. max_concurrent_decodes
         rows, times each bucket length) and the decode step, by running them once on dummy
-        tokens, so that no request waits for a compile."""
-        state, rows = self.init_decode_state(), [1]
+        tokens, so that no request waits for a compile; with `top_logprobs`, their programs
+        that also return the alternatives too (what a server whose clients ask for them runs)."""
+        state, rows, variants = self.init_decode_state(), [1], (False, True) if top_logprobs else (False,)
         while rows[-1] < self._slots:
             rows.append(rows[-1] * 2)
         for bucket in buckets or self.buckets:
             for n in rows:
-                prefix = self.prefill_batch(params=None, tokens=[np.zeros(bucket, np.int32)] * n)
-                state = self.insert_batch(prefix, state, list(range(min(n, self._slots))))
+                for top in variants:
+                    prefix = self.prefill_batch(params=None, tokens=[np.zeros(bucket, np.int32)] * n, top_logprobs=top)
+                    state = self.insert_batch(prefix, state, list(range(min(n, self._slots))))
         for rows in self.decode_rows:
-            state, result = self.generate_rows(None, state, rows)
+            for top in variants:
+                state, result = self.generate_rows(None, state, rows, top_logprobs=top)
         state = self.free(self.move(state, 1 % self._slots, 0), 0)
         jax.block_until_ready((self.extract(state, 0), result))
 
@@ -469,7 +503,7 @@ class GlmEngine(_Engine):
         targets = np.full((rows,), self._slots, np.int32)  # out of range: dropped
         targets[:len(slots)] = slots
         with self._on_mesh():
-            return self._insert_fn(prefix, decode_state, jnp.asarray(targets))
+            return self._insert_fn(prefix._replace(top=None), decode_state, jnp.asarray(targets))
 
     @staticmethod
     def _insert_impl(prefix: Prefix, state: DecodeState, slots):
@@ -517,28 +551,29 @@ class GlmEngine(_Engine):
         tokens marked invalid)."""
         return self.generate_rows(params, decode_state, self._slots)
 
-    def generate_rows(self, params, decode_state: DecodeState, rows: int) -> tuple[DecodeState, ResultTokens]:
+    def generate_rows(self, params, decode_state: DecodeState, rows: int,
+                      top_logprobs: bool = False) -> tuple[DecodeState, ResultTokens]:
         """`generate` for slots [0, rows) only (rows one of decode_rows); the other slots
-        keep their state and emit nothing."""
+        keep their state and emit nothing. `top_logprobs`: also each token's alternatives."""
         if rows not in self.decode_rows:
             raise ValueError(f"rows={rows} is not one of the engine's decode_rows {self.decode_rows}")
         w = self._weights(params)
         with self._on_mesh():
-            state, (data, log_probs, versions) = self._generate_fn(self._leaves(w), decode_state,
-                                                                   np.int32(w.version), rows)
+            state, out = self._generate_fn[bool(top_logprobs)](self._leaves(w), decode_state, np.int32(w.version),
+                                                               rows)
         k1 = self.num_draft + 1
-        return state, ResultTokens(data, log_probs, versions, (0, k1), (k1, 2 * k1), (2 * k1, 2 * k1 + 1), 1)
+        return state, ResultTokens(*out[:3], (0, k1), (k1, 2 * k1), (2 * k1, 2 * k1 + 1), 1, *out[3:])
 
-    def _generate_rows(self, leaves, state: DecodeState, version, rows: int):
+    def _generate_rows(self, leaves, state: DecodeState, version, rows: int, top: bool):
         """The step on slots [0, rows), written back in place; results padded to every slot."""
         if rows == self._slots:
-            return self._generate_impl(leaves, state, version)
+            return self._generate_impl(leaves, state, version, top)
         head = jax.tree.map(lambda x: x[:rows], state)
-        new, out = self._generate_impl(leaves, head, version)
+        new, out = self._generate_impl(leaves, head, version, top)
         state = jax.tree.map(lambda full, part: full.at[:rows].set(part), state, new)
-        return state, tuple(jnp.pad(x, ((0, self._slots - rows), (0, 0))) for x in out)
+        return state, tuple(jnp.pad(x, [(0, self._slots - rows)] + [(0, 0)] * (x.ndim - 1)) for x in out)
 
-    def _generate_impl(self, leaves, state: DecodeState, version):
+    def _generate_impl(self, leaves, state: DecodeState, version, top: bool):
         model = self._model(leaves)
         k = self.num_draft
         fed = jnp.concatenate([state.tokens[:, None], state.drafts], axis=1)  # [B, K+1]
@@ -561,4 +596,7 @@ class GlmEngine(_Engine):
                              generated=generated)
         versions = jnp.full(tokens.shape, version, jnp.int32)
         data = jnp.concatenate([tokens, valid.astype(jnp.int32), generated[:, None]], axis=1)  # ResultTokens.data
-        return new, (data, log_probs, versions)
+        if not top:
+            return new, (data, log_probs, versions)
+        top_ids, top_logps = top_logprobs(logits, target_logp, state.temperature, self.max_top_logprobs)
+        return new, (data, log_probs, versions, top_ids, top_logps)

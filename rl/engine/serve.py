@@ -36,6 +36,11 @@ only): requests waiting (`glmjax_serve_queue_depth`), slots in use and in all
 per step when speculating (`glmjax_serve_mtp_accepted_drafts`, a histogram over
 0..num_draft) and Decode calls by how they ended (`glmjax_serve_requests_total{status}`:
 ok, invalid_argument, unauthenticated, cancelled (by the client or its deadline), error).
+With the OpenAI API beside it (glmjax-serve --http-port, rl/engine/openai_api.py), the same
+registry also counts its requests by endpoint and HTTP status
+(`glmjax_serve_http_requests_total{endpoint,status}`, 499 for a client that left), their
+prompt and completion tokens (`glmjax_serve_http_tokens_total{endpoint,kind}`) and the
+seconds to each answer's end (`glmjax_serve_http_request_seconds{endpoint}`).
 A router exports the requests by status, time to first token, its queue depth and the
 replicas' slots in use and in all; each replica counts its own tokens and drafts. Each
 server has its own registry.
@@ -167,6 +172,14 @@ class Metrics:
         self.ttft = Histogram("glmjax_serve_time_to_first_token_seconds",
                               "Seconds from a Decode call's arrival to its first tokens", buckets=TTFT_BUCKETS,
                               registry=self.registry)
+        # the OpenAI API beside it (rl/engine/openai_api.py), when one serves the same backend
+        self.http_requests = Counter("glmjax_serve_http_requests", "OpenAI API requests by endpoint and HTTP status",
+                                     ["endpoint", "status"], registry=self.registry)
+        self.http_latency = Histogram("glmjax_serve_http_request_seconds",
+                                      "Seconds from an OpenAI API request's arrival to its answer's end", ["endpoint"],
+                                      buckets=TTFT_BUCKETS, registry=self.registry)
+        self.http_tokens = Counter("glmjax_serve_http_tokens", "Prompt and completion tokens of OpenAI API requests",
+                                   ["endpoint", "kind"], registry=self.registry)
         self.registry.register(_DriverCollector(backend) if isinstance(backend, Driver) else _LoadCollector(backend))
 
 
@@ -275,7 +288,7 @@ def add_service(server, service: OrchestratorService) -> None:
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(jetstream_proto.SERVICE, handlers),))
 
 
-def _check_bind(host: str, port: int) -> None:
+def check_bind(host: str, port: int) -> None:
     """Raises OSError naming host:port and the socket's reason when it cannot be listened on
     (gRPC itself reports only that binding failed)."""
     try:
@@ -313,21 +326,23 @@ class Server:
 
 def start_server(backend: Driver | Router, host: str = "127.0.0.1", port: int = 0, *, token: str | None = None,
                  insecure: bool = False, metrics_port: int | None = None, max_workers: int = 64,
-                 **sampling) -> Server:
+                 metrics: Metrics | None = None, **sampling) -> Server:
     """Binds host:port (0 picks a free port) and, with `metrics_port` (0: a free one), the
     metrics endpoint on the same host, then starts the server (and a Driver's thread) in
     front of `backend`: a Driver, or a Router over replicas.
     `token`: what Decode calls must present (module docstring); a non-loopback host needs
     it or `insecure` (ValueError otherwise). OSError naming the address when one cannot be
     bound, before anything starts. `sampling`: temperature, top_k, stop_ids for every
-    request."""
+    request. `metrics`: the registry to count in (one the OpenAI API shares), made here by
+    default when `metrics_port` is given."""
     import grpc
 
     check_access(host, token, insecure)
-    _check_bind(host, port)
+    check_bind(host, port)
     if metrics_port:
-        _check_bind(host, metrics_port)
-    metrics = Metrics(backend) if metrics_port is not None else None
+        check_bind(host, metrics_port)
+    if metrics is None and metrics_port is not None:
+        metrics = Metrics(backend)
     # Without so_reuseport a second server on a busy port fails instead of sharing its traffic.
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=[("grpc.so_reuseport", 0)])
     add_service(server, OrchestratorService(backend, token=token, metrics=metrics, **sampling))
@@ -338,19 +353,29 @@ def start_server(backend: Driver | Router, host: str = "127.0.0.1", port: int = 
     if not bound:
         raise OSError(f"cannot listen on {host}:{port}")
     http, bound_metrics = None, None
-    if metrics is not None:
-        from prometheus_client import start_http_server
-
+    if metrics_port is not None:
         try:
-            http, _ = start_http_server(metrics_port, addr=host.strip("[]"), registry=metrics.registry)
-        except OSError as err:
+            http = serve_metrics(metrics, host, metrics_port)
+        except OSError:
             server.stop(None)
-            raise OSError(f"cannot serve metrics on {host}:{metrics_port}: {err.strerror or err}") from None
+            raise
         bound_metrics = http.server_port
     if isinstance(backend, Driver):
         backend.start()
     server.start()
     return Server(server, bound, metrics, bound_metrics, http)
+
+
+def serve_metrics(metrics: Metrics, host: str, port: int):
+    """The registry in Prometheus' text format over HTTP on host:port (0: a free one), in a
+    daemon thread; the http.server it runs (`.server_port`, `.shutdown()`)."""
+    from prometheus_client import start_http_server
+
+    try:
+        http, _ = start_http_server(port, addr=host.strip("[]"), registry=metrics.registry)
+    except OSError as err:
+        raise OSError(f"cannot serve metrics on {host}:{port}: {err.strerror or err}") from None
+    return http
 
 
 class Client:

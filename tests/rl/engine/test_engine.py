@@ -139,6 +139,56 @@ def test_sampling_is_per_slot_and_log_probs_are_the_sampling_distribution(model,
     assert same.result().tokens == hot.result().tokens
 
 
+def test_top_logprobs_come_from_the_distribution_each_token_was_drawn_from(model, engine):
+    """Request.top_logprobs = k: per token, the k most likely tokens under the distribution
+    its log-prob is taken from (log softmax(logits) for greedy, the temperature-scaled one
+    for sampled), from the prefill's token and every step's; the tokens are those of the
+    same request without them, and a request beside them that did not ask gets none."""
+    p = prompts([7], seed=6)[0]
+    driver = Driver(engine)
+    plain = [driver.submit(Request(p, 6)), driver.submit(Request(p, 6, temperature=0.7, seed=3))]
+    driver.run_until_idle()
+    asked = [driver.submit(Request(p, 6, top_logprobs=5)),
+             driver.submit(Request(p, 6, temperature=0.7, seed=3, top_logprobs=engine.max_top_logprobs))]
+    other = driver.submit(Request(p, 6))
+    driver.run_until_idle()
+    assert other.result().top_logprobs == [] and other.result().tokens == plain[0].result().tokens
+    for temperature, before, handle in zip((0.0, 0.7), plain, asked):
+        r = handle.result()
+        assert r.tokens == before.result().tokens and len(r.top_logprobs) == len(r.tokens)
+        logits = np.asarray(model(np.asarray(p + r.tokens, np.int32)[None]).logits[0, len(p) - 1:-1])
+        for row, token, lp, top in zip(logits, r.tokens, r.log_probs, r.top_logprobs):
+            logp = jax.nn.log_softmax(row / (temperature or 1.0))
+            expected = np.argsort(-np.asarray(logp))[:len(top)]
+            assert [t for t, _ in top] == list(expected)
+            np.testing.assert_allclose([v for _, v in top], np.asarray(logp)[expected], atol=1e-4)
+            if temperature == 0:
+                assert top[0][0] == token
+            if token in dict(top):  # a sampled token may rank below the top k
+                assert dict(top)[token] == pytest.approx(lp, abs=1e-6)  # the same value as its own log-prob
+            assert sum(np.exp(v) for _, v in top) <= 1 + 1e-5
+    with pytest.raises(ValueError, match="top_logprobs"):
+        driver.submit(Request(p, 4, top_logprobs=engine.max_top_logprobs + 1))
+
+
+def test_a_chunk_callback_sees_every_token_with_its_log_prob_however_late_it_registers(engine):
+    p = prompts([7], seed=7)[0]
+    driver = Driver(engine)
+    handle = driver.submit(Request(p, 6, temperature=0.7, seed=2, top_logprobs=2))
+    early, late = [], []
+    handle.add_chunk_callback(early.append)
+    for _ in range(3):
+        driver.step()
+    handle.add_chunk_callback(late.append)  # replays what was handed out, then goes on
+    driver.run_until_idle()
+    r = handle.result()
+    for chunks in (early, late):
+        assert [t for c in chunks for t in c.tokens] == r.tokens
+        assert [x for c in chunks for x in c.log_probs] == r.log_probs
+        assert [x for c in chunks for x in c.top_logprobs] == r.top_logprobs and len(r.top_logprobs) == 6
+    assert len(late) < len(early)
+
+
 def test_stop_ids_finish_at_once_and_cancel_frees_the_slot(model, engine):
     p, q = prompts([7, 7], seed=4)
     ref = greedy_reference(model, p, 12)
@@ -224,9 +274,9 @@ def test_requests_hold_the_lowest_slots_and_steps_run_only_those_rows(model):
     steps = []  # (rows run, requests in flight)
     generate_rows = engine.generate_rows
 
-    def recording(params, state, rows):
+    def recording(params, state, rows, **kwargs):
         steps.append((rows, sum(s is not None for s in driver._slots)))
-        return generate_rows(params, state, rows)
+        return generate_rows(params, state, rows, **kwargs)
 
     engine.generate_rows = recording
     driver = Driver(engine)

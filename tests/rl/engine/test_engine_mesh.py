@@ -73,7 +73,8 @@ def test_decode_step_dispatches_all_to_all_and_gathers_no_expert_stack(model):
     stack = re.compile(rf"= f32\[{e},({d},\d+|\d+,{d})\]")  # every expert's gate / up / down, or a slice of F
     with engine._on_mesh():
         for rows in engine.decode_rows:
-            hlo = engine._generate_fn.lower(leaves, engine.init_decode_state(), np.int32(0), rows).compile().as_text()
+            step = engine._generate_fn[False]  # the step of requests that ask for no alternatives
+            hlo = step.lower(leaves, engine.init_decode_state(), np.int32(0), rows).compile().as_text()
             assert "all-to-all" in hlo, rows
             gathers = [line for line in hlo.splitlines() if re.search(r"\ball-gather(-start)?\(", line)]
             assert gathers and not [g for g in gathers if stack.search(g)], gathers
