@@ -15,7 +15,7 @@ setup(
     version="0.1.0",
     description="GLM-5 (MoE + MLA + DeepSeek sparse attention) and its RL post-training loop in JAX / Flax NNX",
     python_requires=">=3.11",
-    packages=find_packages(include=["glmjax*", "pallas_kernels*", "rl*", "envs*"]),
+    packages=find_packages(include=["glmjax*", "pallas_kernels*", "rl*", "envs*", "tool_formats*"]),
     install_requires=[
         f"jax=={JAX_VERSION}",
         f"jaxlib=={JAX_VERSION}",
@@ -33,6 +33,11 @@ setup(
         "jinja2",
         # the `math` verifier's expression equivalence (envs/verifiers.py)
         "sympy>=1.12",
+        # the OpenAI-compatible API (glmjax-serve --http-port) and task.agent episodes, whose
+        # agent talks to the engine through it with the official client (envs/agents)
+        "openai>=3.63",
+        "fastapi>=0.165",
+        "uvicorn>=0.55",
         "numpy>=2.0",
         "tqdm",
         "matplotlib",
@@ -45,7 +50,9 @@ setup(
         # version pulls the CUDA build (gigabytes) just to run the Hugging Face reference.
         # nbclient, nbformat and ipykernel execute notebooks/ablations.ipynb (tests/notebooks/test_notebook.py).
         "test": ["pytest-xdist>=3.6", "torch==2.13.0", "transformers>=5.24,<6", "grpcio", "protobuf", "prometheus-client",
-                 "nbclient", "nbformat", "ipykernel"],
+                 "nbclient", "nbformat", "ipykernel",
+                 # an evaluation harness run against the OpenAI-compatible API
+                 "httpx>=0.28", "inspect-ai>=0.3.285,<0.4"],
         "serve": ["grpcio", "protobuf", "prometheus-client"],
         "gpu": [f"jax[cuda12]=={JAX_VERSION}"],
         "tpu": [f"jax[tpu]=={JAX_VERSION}"],

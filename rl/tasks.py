@@ -39,7 +39,7 @@ import random
 
 from tqdm.auto import tqdm
 
-from envs import augment, families
+from envs import augment, families, tool_calls
 from envs.agents import AGENTS, SHELL_TOOLS
 from envs.base import parse_action
 from envs.harbor import validate
@@ -77,9 +77,10 @@ def action_format(cfg) -> str:
         return name
     chat = job_chat(cfg)
     template = getattr(getattr(chat, "tokenizer", None), "chat_template", None)
-    if not template or "<tool_call>" not in template:
+    try:
+        return tool_calls.style_of(template) if template else "bash"
+    except ValueError:  # a template without tool calls: the model writes <bash> tags in its text
         return "bash"
-    return "glm" if "<arg_key>" in template else "json"
 
 
 def prompt_tokens(chat, task) -> list[int]:

@@ -50,7 +50,12 @@ def test_the_model_imports_nothing_of_the_loop_or_the_environments():
     assert _outside(_imports("glmjax"), {"rl", "envs"}) == {}
 
 
-@pytest.mark.parametrize("package", ["rl", "envs", "glmjax"])
+def test_the_tool_call_formats_import_nothing_of_the_project_or_jax():
+    """tool_formats is read by both sides (the engine's OpenAI API and the environments)."""
+    assert _outside(_imports("tool_formats"), {"rl", "envs", "glmjax", "pallas_kernels", "jax"}) == {}
+
+
+@pytest.mark.parametrize("package", ["rl", "envs", "glmjax", "tool_formats"])
 def test_every_module_of_a_package_has_a_docstring(package):
     missing = [str(p.relative_to(REPO)) for p in (REPO / package).rglob("*.py")
                if p.stat().st_size and ast.get_docstring(ast.parse(p.read_text())) is None]

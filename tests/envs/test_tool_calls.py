@@ -6,7 +6,6 @@ import pytest
 from envs import tool_calls
 from envs.tool_calls import PARSERS, ToolCall, extract_tool_calls, parser, style_of
 from glmjax.tiny_checkpoint import GLM_STYLE_TEMPLATE
-from tests.test_layout import _imports, _outside
 from tool_formats import FORMATS, scan
 
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
@@ -84,7 +83,6 @@ def test_actions_name_what_is_wrong(style, text, error):
     assert not action.parsed and action.error.startswith(error), action.error
 
 
-def test_the_table_is_one_entry_per_format_and_imports_nothing_of_the_project():
+def test_the_table_is_one_entry_per_format():
     assert set(FORMATS) == {"glm", "json"} and set(PARSERS) == {"bash", "glm", "json"}
     assert tool_calls.parse_tool_call is PARSERS["glm"]
-    assert _outside(_imports("tool_formats"), {"rl", "envs", "glmjax", "pallas_kernels", "jax"}) == {}
