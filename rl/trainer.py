@@ -188,7 +188,8 @@ class Loop:
         self.rows = rl.batch_size * (self.compaction.max_segments if self.compaction else 1)  # one learner shape
         self.replay = BatchReplay(capacity=rl.replay.capacity, rows=rl.replay.rows, alpha=rl.replay.alpha,
                                   beta=rl.replay.beta, seed=job.seed) if rl.replay.enabled else None
-        self.shared = {"env_seconds": 0.0, "rollout_seconds": 0.0, "dropped": collections.Counter()}
+        self.shared = {"env_seconds": 0.0, "rollout_seconds": 0.0, "dropped": collections.Counter(), "turns": [],
+                       "rerendered": []}
         self.drafted = (0, 0)  # the driver's accepted drafts and busy slot-steps at the last learner step
 
     # Setup --------------------------------------------------------------------------------
@@ -300,6 +301,8 @@ class Loop:
             metrics["segments_per_rollout"] = len(batch) / len(last)
         if self.shared["turns"]:
             metrics["turns_per_episode"] = float(np.mean(self.shared["turns"]))
+        if self.shared["rerendered"]:  # agent episodes: calls whose history the agent sent otherwise
+            metrics["rerendered_calls_per_episode"] = float(np.mean(self.shared["rerendered"]))
         now = time.time()
         if self.engine.num_draft:  # drafts accepted per decode step since the last learner step
             counts = self.driver.stats["accepted_drafts"], self.driver.stats["busy_slot_steps"]
@@ -512,11 +515,13 @@ def _gathered(collector: Collector, local: list) -> dict:
     """This step's share of every process: the batch in rollout order (as one process's
     collector would take it), the turns of the episodes finished since the last step, and
     the collectors' environment and rollout seconds and dropped rollouts so far."""
-    finished = [r.turns for _, r in collector.drain_finished() if hasattr(r, "turns")]
+    done = [r for _, r in collector.drain_finished() if hasattr(r, "turns")]
+    finished = [(r.turns, r.info.get("rerendered")) for r in done]
     parts = distributed.gather_objects((local, finished, collector.env_seconds, collector.rollout_seconds,
                                         dict(collector.dropped)))
     return {"batch": sorted((tr for p in parts for tr in p[0]), key=lambda tr: (tr.rollout_id, tr.segment_index)),
-            "turns": [t for p in parts for t in p[1]], "env_seconds": sum(p[2] for p in parts),
+            "turns": [t for p in parts for t, _ in p[1]],
+            "rerendered": [n for p in parts for _, n in p[1] if n is not None], "env_seconds": sum(p[2] for p in parts),
             "rollout_seconds": sum(p[3] for p in parts),
             "dropped": sum((collections.Counter(p[4]) for p in parts), collections.Counter())}
 

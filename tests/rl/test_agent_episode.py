@@ -150,3 +150,42 @@ def test_the_models_commands_cannot_reach_the_server(served):
     step = env.act(Action((probe,), False, None, True))
     env.close()
     assert "CONNECTED" not in step.observation and "[exit 0" not in step.observation
+
+
+def test_the_rl_job_trains_on_agent_episodes(tmp_path, monkeypatch):
+    """configs/sao_hf_agent.py with task.agent=terminus: the job serves its own engine to the
+    agent, collects the sessions' rows and trains on them: the learner's rows hold the
+    engine's tokens (log-probs recorded) between tool results out of the loss."""
+    import json
+    import os
+
+    import numpy as np
+
+    from rl import cli as rl_cli
+    from rl.learner import Learner
+
+    batches, step = [], Learner.step
+
+    def recording(self, batch, **kw):
+        batches.append(batch)
+        return step(self, batch, **kw)
+
+    monkeypatch.setattr(Learner, "step", recording)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    checkpoint = make_checkpoint(str(tmp_path / "model"), seed=2)
+    workdir = str(tmp_path / "run")
+    summary = rl_cli.run(["--config", f"{repo}/configs/sao_hf_agent.py:{checkpoint}", "--workdir", workdir,
+                          "--config.task.agent=terminus", "--config.task.train_tasks=4", "--config.task.eval_tasks=2",
+                          "--config.rl.steps=2", "--config.rl.batch_size=2", "--config.rl.slots=2",
+                          "--config.rl.critic_warmup=0", "--config.env.max_turns=2", "--config.env.turn_tokens=16",
+                          "--config.rl.warmup_compile=False", "--config.rl.export_every=0"])
+    assert summary["steps"] == 2 and summary["rollouts"] == 4 and summary["dropped"] == {}
+    rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl")) if '"step"' in line]
+    assert all(r["turns_per_episode"] >= 1 and "rerendered_calls_per_episode" in r for r in rows)
+    assert len(batches) == 2
+    for batch in batches:
+        mask, logp = np.asarray(batch.action_mask), np.asarray(batch.logp_rollout)
+        for m, lp in zip(mask, logp):
+            acted = np.flatnonzero(m)
+            assert len(acted) > 0 and np.all(lp[m == 0] == 0) and np.all(lp[acted] < 0)
+            assert (m[acted[0]:acted[-1]] == 0).any()  # a tool result (or nudge) between two model turns

@@ -64,21 +64,29 @@ def test_the_job_speaks_the_checkpoints_tokenizer_and_template(checkpoint, tmp_p
         assert list(request.prompt) == expected and tuple(request.stop_ids) == chat.stop_ids
 
 
-def test_a_checkpoint_post_trained_and_exported_loads_in_transformers_with_the_same_logits(checkpoint, tmp_path):
-    """base.checkpoint -> SAO steps in its tokenizer -> workdir/export/{step_2,final} ->
-    transformers loads the export (tokenizer and template included) with glmjax's logits."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+@pytest.fixture(scope="module")
+def post_trained(checkpoint, tmp_path_factory):
+    """base.checkpoint -> 3 SAO steps in its tokenizer on a JSONL dataset -> workdir/export."""
+    tmp = tmp_path_factory.mktemp("post_trained")
     # rows every answer passes: non-zero advantages from the first actor step, so the weights move
-    data = _dataset(tmp_path / "d.jsonl", [{"id": f"r{i}", "prompt": f"Say anything about {i}.",
-                                            "answer": ".*", "verifier": {"kind": "regex", "pattern": "(?s).*"}}
-                                           for i in range(24)])
-    workdir = str(tmp_path / "run")
+    data = _dataset(tmp / "d.jsonl", [{"id": f"r{i}", "prompt": f"Say anything about {i}.", "answer": ".*",
+                                       "verifier": {"kind": "regex", "pattern": "(?s).*"}} for i in range(24)])
+    workdir = str(tmp / "run")
     summary = rl_cli.run(["--config", f"{REPO}/configs/sao_hf.py:{checkpoint}", "--workdir", workdir,
                           f"--config.task.data={data}", "--config.task.eval_tasks=4", "--config.rl.steps=3",
                           "--config.rl.batch_size=4", "--config.rl.slots=4", "--config.task.max_new_tokens=6",
                           "--config.rl.actor_lr=1e-2", "--config.rl.export_every=2"])
+    return workdir, summary
+
+
+def test_a_checkpoint_post_trained_and_exported_loads_in_transformers_with_the_same_logits(checkpoint,
+                                                                                           post_trained):
+    """The export (workdir/export/{step_2,final}, tokenizer and template included) loads in
+    transformers with glmjax's logits, and differs from the checkpoint it started from."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    workdir, summary = post_trained
     assert summary["steps"] == 3 and summary["final_pass_rate"] == 1.0
     final = os.path.join(workdir, "export", "final")
     assert summary["export"] == final and os.path.isdir(os.path.join(workdir, "export", "step_2"))
@@ -98,6 +106,65 @@ def test_a_checkpoint_post_trained_and_exported_loads_in_transformers_with_the_s
     messages = [{"role": "user", "content": "hello"}]
     assert tok.apply_chat_template(messages, add_generation_prompt=True) == original.apply_chat_template(
         messages, add_generation_prompt=True)
+
+
+def test_glmjax_serve_on_the_export_answers_the_openai_client(post_trained):
+    """`glmjax-serve --checkpoint export/final --http-port`: the official client's chat and
+    completion calls, streamed and not, with tools, a tool-call history and log-probs."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    import openai
+
+    final = os.path.join(post_trained[0], "export", "final")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(os.path.join(post_trained[0], "serve.log"), "w+")
+    server = subprocess.Popen([sys.executable, "-m", "rl.engine.cli", "--checkpoint", final, "--port", "off",
+                               "--http-port", str(port), "--max-len", "128", "--slots", "4"],
+                              stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+        deadline = time.time() + 180
+        while True:
+            try:
+                models = client.models.list()
+                break
+            except openai.APIConnectionError:
+                assert server.poll() is None and time.time() < deadline, open(log.name).read()[-2000:]
+                time.sleep(0.5)
+        assert [m.id for m in models.data] == ["final"]
+        tools = [{"type": "function", "function": {"name": "bash", "description": "Run a command.", "parameters": {
+            "type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}]
+        messages = [{"role": "user", "content": "List the files."},
+                    {"role": "assistant", "content": "", "tool_calls": [{"id": "call_0", "type": "function", "function": {
+                        "name": "bash", "arguments": '{"command": "ls"}'}}]},
+                    {"role": "tool", "tool_call_id": "call_0", "content": "a.txt b.txt"}]
+        chat = client.chat.completions.create(model="final", messages=messages, tools=tools, max_tokens=8,
+                                              temperature=0, logprobs=True, top_logprobs=2)
+        choice = chat.choices[0]
+        assert chat.usage.completion_tokens == len(choice.logprobs.content) > 0
+        assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in choice.logprobs.content)
+        streamed = client.chat.completions.create(model="final", messages=messages, tools=tools, max_tokens=8,
+                                                  temperature=0, stream=True)
+        text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+        assert text == (choice.message.content or "")
+
+        completion = client.completions.create(model="final", prompt="What is 2+3?", max_tokens=6, temperature=0,
+                                               logprobs=3)
+        assert len(completion.choices[0].logprobs.token_logprobs) == completion.usage.completion_tokens
+        streamed = client.completions.create(model="final", prompt="What is 2+3?", max_tokens=6, temperature=0,
+                                             stream=True)
+        assert "".join(c.choices[0].text for c in streamed) == completion.choices[0].text
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="other", prompt="x", max_tokens=2)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+        log.close()
 
 
 def _cli_error(capsys, argv):
