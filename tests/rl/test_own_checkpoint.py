@@ -230,17 +230,31 @@ CHATML_JSON_TEMPLATE = (  # a Hermes / Qwen-style template of our own: ChatML tu
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-@pytest.mark.parametrize("style", ["glm", "json"])
+@pytest.mark.parametrize("style", ["glm", "glm-think", "json"])
 def test_oracle_episodes_in_the_templates_own_tool_call_format_are_rewarded(checkpoint, tmp_path, style):
-    """GLM's template (XML tool calls, <|observation|>) and a ChatML one (JSON tool calls,
-    tool results as a user turn, <|im_end|> as the stop): the format is read from the
-    template, the demonstration restated in it, parsed back by the env and rewarded."""
+    """GLM's template (XML tool calls, <|observation|>; with "glm-think" every assistant turn
+    opens with GLM-5's empty <think></think> block after a bare generation prompt) and a
+    ChatML one (JSON tool calls, tool results as a user turn, <|im_end|> as the stop): the
+    format is read from the template, the demonstration restated in it, parsed back by the
+    env and rewarded."""
     from envs import families
     from envs.sandbox.sandbox import Limits
     from envs.shell import ShellEnv
 
     path = checkpoint
-    if style == "json":
+    if style == "glm-think":
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(checkpoint)
+        tok.chat_template = tok.chat_template.replace(
+            "{% elif m.role == 'assistant' %}<|assistant|>\n", "{% elif m.role == 'assistant' %}<|assistant|>\n<think></think>\n"
+        ).replace("{% if add_generation_prompt %}<|assistant|>\n{% endif %}", "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+        path = str(tmp_path / "think")
+        shutil.copytree(checkpoint, path)
+        tok.save_pretrained(path)
+        assert rl_tasks.chat_for(path).assistant_prefix == "\n<think></think>\n"
+        style = "glm"
+    elif style == "json":
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(checkpoint)
