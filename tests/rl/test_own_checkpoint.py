@@ -8,11 +8,12 @@ import shutil
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 import glmjax
 from glmjax.chat import HFChat, check_append_only
-from glmjax.tiny_checkpoint import make_checkpoint
 from glmjax.presets import load_config
+from glmjax.tiny_checkpoint import make_checkpoint
 from rl import cli as rl_cli
 from rl import tasks as rl_tasks
 from rl.config import JobConfig
@@ -66,17 +67,26 @@ def test_the_job_speaks_the_checkpoints_tokenizer_and_template(checkpoint, tmp_p
 
 @pytest.fixture(scope="module")
 def post_trained(checkpoint, tmp_path_factory):
-    """base.checkpoint -> 3 SAO steps in its tokenizer on a JSONL dataset -> workdir/export."""
+    """base.checkpoint (the critic's trunk from another checkpoint) -> 3 SAO steps in its
+    tokenizer on a JSONL dataset -> workdir/export. Returns the workdir, the summary and the
+    critic's backbone as the job built it."""
+    from rl import trainer
+
     tmp = tmp_path_factory.mktemp("post_trained")
+    critic = make_checkpoint(str(tmp / "critic"), seed=4)  # the same tokenizer, other weights
     # rows every answer passes: non-zero advantages from the first actor step, so the weights move
     data = _dataset(tmp / "d.jsonl", [{"id": f"r{i}", "prompt": f"Say anything about {i}.", "answer": ".*",
                                        "verifier": {"kind": "regex", "pattern": "(?s).*"}} for i in range(24)])
-    workdir = str(tmp / "run")
-    summary = rl_cli.run(["--config", f"{REPO}/configs/sao_hf.py:{checkpoint}", "--workdir", workdir,
-                          f"--config.task.data={data}", "--config.task.eval_tasks=4", "--config.rl.steps=3",
-                          "--config.rl.batch_size=4", "--config.rl.slots=4", "--config.task.max_new_tokens=6",
-                          "--config.rl.actor_lr=1e-2", "--config.rl.export_every=2"])
-    return workdir, summary
+    workdir, trunks = str(tmp / "run"), []
+    with pytest.MonkeyPatch.context() as patch:
+        value_model = trainer.ValueModel
+        patch.setattr(trainer, "ValueModel", lambda backbone: trunks.append(nnx.clone(backbone)) or value_model(backbone))
+        summary = rl_cli.run(["--config", f"{REPO}/configs/sao_hf.py:{checkpoint}", "--workdir", workdir,
+                              f"--config.task.data={data}", "--config.task.eval_tasks=4", "--config.rl.steps=3",
+                              "--config.rl.batch_size=4", "--config.rl.slots=4", "--config.task.max_new_tokens=6",
+                              "--config.rl.actor_lr=1e-2", "--config.rl.export_every=2",
+                              f"--config.base.critic_checkpoint={critic}"])
+    return workdir, summary, trunks, critic
 
 
 def test_a_checkpoint_post_trained_and_exported_loads_in_transformers_with_the_same_logits(checkpoint,
@@ -86,7 +96,7 @@ def test_a_checkpoint_post_trained_and_exported_loads_in_transformers_with_the_s
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    workdir, summary = post_trained
+    workdir, summary, trunks, critic = post_trained
     assert summary["steps"] == 3 and summary["final_pass_rate"] == 1.0
     final = os.path.join(workdir, "export", "final")
     assert summary["export"] == final and os.path.isdir(os.path.join(workdir, "export", "step_2"))
@@ -102,6 +112,10 @@ def test_a_checkpoint_post_trained_and_exported_loads_in_transformers_with_the_s
     np.testing.assert_allclose(ours, theirs, atol=1e-4, rtol=1e-4)
     base = np.asarray(glmjax.from_pretrained(checkpoint)(jnp.asarray(ids)).logits)
     assert np.abs(ours - base).max() > 1e-3  # RL moved the weights that were exported
+    # the critic started from base.critic_checkpoint's trunk, not the policy's
+    (trunk,) = trunks
+    np.testing.assert_array_equal(np.asarray(trunk(jnp.asarray(ids)).logits),
+                                  np.asarray(glmjax.from_pretrained(critic)(jnp.asarray(ids)).logits))
     tok, original = AutoTokenizer.from_pretrained(final), AutoTokenizer.from_pretrained(checkpoint)
     messages = [{"role": "user", "content": "hello"}]
     assert tok.apply_chat_template(messages, add_generation_prompt=True) == original.apply_chat_template(
