@@ -61,10 +61,11 @@ class AgentServer:
 
 
 class _Shell:
-    """The env as the agent's tools (envs/agents: Shell)."""
+    """The env as the agent's tools (envs/agents: Shell); `blank` hides every command's
+    output (the ablation of what reading is worth)."""
 
-    def __init__(self, env):
-        self.env, self.done, self.last = env, False, None
+    def __init__(self, env, blank: bool = False):
+        self.env, self.blank, self.done, self.last = env, blank, False, None
         self.lock = threading.Lock()  # an agent that calls tools from threads still runs them one at a time
 
     def bash(self, command: str) -> str:
@@ -79,7 +80,7 @@ class _Shell:
                 return "[the episode is over]"
             step = self.env.act(action)
             self.done, self.last = step.done, step
-            return step.observation
+            return "" if self.blank else step.observation
 
 
 class AgentEpisode:
@@ -87,8 +88,9 @@ class AgentEpisode:
     rollout of rl/rollout.py whose only work is environment work."""
 
     def __init__(self, task, env, agent, server: AgentServer, *, session_id: str, max_turns: int, turn_tokens: int,
-                 temperature: float, seed: int, seconds: float | None = None):
+                 temperature: float, seed: int, seconds: float | None = None, blank_observations: bool = False):
         self.task, self.env, self.agent, self.server = task, env, agent, server
+        self.blank = blank_observations
         self.session_id, self.max_turns, self.turn_tokens = session_id, max_turns, turn_tokens
         self.temperature, self.seed, self.seconds = temperature, seed, seconds
         self.reward: float | None = None
@@ -110,7 +112,7 @@ class AgentEpisode:
         self._ran = True
         try:
             instruction = self.env.reset(self.task)
-            shell = _Shell(self.env)
+            shell = _Shell(self.env, self.blank)
             client = self.server.client(self.session_id, timeout=self.seconds or 600.0)
             try:
                 run = self.agent(client, self.server.model_name, instruction, shell, max_turns=self.max_turns,

@@ -295,7 +295,7 @@ class RolloutFactory:
             return AgentEpisode(task, make_env(cfg, "bash"), AGENTS[cfg.task.agent], self.server(),
                                 session_id=f"{session}-{rid}-{self.seed + rid}", max_turns=e.max_turns,
                                 turn_tokens=e.turn_tokens, temperature=temperature, seed=self.seed + rid,
-                                seconds=e.episode_seconds or None)
+                                seconds=e.episode_seconds or None, blank_observations=self.blank)
         if isinstance(task, HarborTask):
             e = cfg.env
             return Episode(task, make_env(cfg), self.chat, turn_tokens=e.turn_tokens, window=self.window,
