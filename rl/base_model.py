@@ -143,12 +143,14 @@ def supervised(model: glmjax.GlmForCausalLM, ids, mask, sft: BaseConfig, desc: s
     indexer learns, from the attention it serves, which keys to keep; a model whose top-k
     is smaller than its context and whose indexer stayed at its init would attend to an
     arbitrary subset of keys. `sft.indexer_stage` None trains the LM losses only. With a
-    mesh each batch is a global array split over the batch axes."""
+    mesh each batch is a global array split over the batch axes. A model without an MTP layer
+    (a checkpoint written by transformers) trains without the MTP loss."""
     stage = sft.indexer_stage
+    mtp_weight = sft.mtp_weight if model.config.num_nextn_predict_layers else 0.0
     opt = lm_train.make_optimizer(sft.optimizer(), model, trainable=lm_train.TRAINABLE[stage])
     rng = np.random.default_rng(sft.seed)
     for _ in tqdm(range(sft.steps), desc=desc, mininterval=1.0, disable=not distributed.is_main()):
         idx = rng.integers(0, len(ids), sft.batch_size)
         batch = distributed.global_batch({"input_ids": ids[idx], "loss_mask": mask[idx]}, mesh)
-        lm_train.train_step(model, opt, batch, mtp_weight=sft.mtp_weight, indexer_stage=stage)
+        lm_train.train_step(model, opt, batch, mtp_weight=mtp_weight, indexer_stage=stage)
     return model

@@ -289,3 +289,42 @@ def test_oracle_episodes_in_the_templates_own_tool_call_format_are_rewarded(chec
     assert episode.reward == 1.0 and episode.turns == 2
     text = chat.tokenizer.decode(episode.row)
     assert ('"name": "bash"' in text) == (style == "json") and ("<arg_key>command" in text) == (style == "glm")
+
+
+def test_the_distillation_job_takes_a_student_checkpoint(checkpoint, tmp_path):
+    """configs/opd_tiny.py with student.checkpoint: the student is the checkpoint (its config,
+    tokenizer and template), the teachers are fine-tuned from it, and workdir/student is a
+    Hugging Face directory with the checkpoint's tokenizer files."""
+    from transformers import AutoTokenizer
+
+    workdir = str(tmp_path / "opd")
+    summary = rl_cli.run(["--config", f"{REPO}/configs/opd_tiny.py", "--workdir", workdir,
+                          f"--config.student.checkpoint={checkpoint}", "--config.task.max_len=48",
+                          "--config.task.train_tasks=8", "--config.task.eval_tasks=2",
+                          "--config.teacher_sft.seq_len=48", "--config.teacher_sft.demonstrations=8",
+                          "--config.teachers.sorter.steps=1", "--config.teachers.speller.steps=1",
+                          "--config.teachers.speller.demonstrations=8", "--config.opd.rounds=1",
+                          "--config.opd.batches_per_round=1", "--config.opd.batch_size=4", "--config.opd.epochs=1",
+                          "--config.opd.slots=4"])
+    assert summary["steps"] == 1 and summary["rollouts"] == 4
+    student = os.path.join(workdir, "student")
+    assert glmjax.ModelConfig.from_hf(student).vocab_size == glmjax.ModelConfig.from_hf(checkpoint).vocab_size
+    assert AutoTokenizer.from_pretrained(student).chat_template == AutoTokenizer.from_pretrained(
+        checkpoint).chat_template
+
+
+def test_base_finetune_trains_the_checkpoint_on_oracle_episodes_in_its_template(checkpoint, tmp_path):
+    """base.finetune=True: the checkpoint is fine-tuned first on oracle episodes restated in
+    its template's tool calls (cached in workdir/base), then trained with SAO."""
+    workdir = str(tmp_path / "ft")
+    summary = rl_cli.run(["--config", f"{REPO}/configs/sao_hf_agent.py:{checkpoint}", "--workdir", workdir,
+                          "--config.base.finetune=True", "--config.base.demonstrations=4", "--config.base.steps=3",
+                          "--config.base.batch_size=4", "--config.base.seq_len=320", "--config.task.train_tasks=4",
+                          "--config.task.eval_tasks=2", "--config.rl.steps=1", "--config.rl.batch_size=2",
+                          "--config.rl.slots=2", "--config.rl.warmup_compile=False", "--config.env.max_turns=2",
+                          "--config.rl.export_every=0"])
+    assert summary["steps"] == 1
+    ids = np.random.default_rng(1).integers(0, 1000, (1, 16))
+    tuned = np.asarray(glmjax.from_pretrained(os.path.join(workdir, "base"))(jnp.asarray(ids)).logits)
+    start = np.asarray(glmjax.from_pretrained(checkpoint)(jnp.asarray(ids)).logits)
+    assert np.abs(tuned - start).max() > 1e-3
