@@ -81,11 +81,37 @@ def test_an_unknown_field_lists_the_valid_ones():
     (["task.max_len=100"], "task.max_len=100 exceeds model.max_position_embeddings=64"),
     (["base.batch_size=0"], "base.batch_size=0 is invalid: expected >= 1"),
     (["distributed.num_processes=2", "rl.batch_size=7"], "rl.batch_size=7 must split over distributed.num_processes=2"),
+    (["task.data=/nowhere.jsonl"], "task.data='/nowhere.jsonl' does not exist"),
+    (["task.agent=terminus"], "task.agent='terminus' drives sandboxed tasks"),
+    (["task.family=lookup", "task.agent=claude"], r"task.agent='claude' is unknown: expected one of \['terminus'\]"),
+    (["base.checkpoint=/nowhere"], "base.checkpoint='/nowhere' does not exist: expected a Hugging Face checkpoint"),
+    (["base.finetune=True"], "base.finetune fine-tunes base.checkpoint"),
+    (["rl.export_every=-1"], r"rl.export_every=-1 is invalid: expected >= 0 \(0 = off\)"),
 ])
 def test_a_value_the_job_cannot_run_names_its_field(overrides, message):
     cfg = load_config(CONFIGS / "sao_tiny.py", ["model.num_nextn_predict_layers=0", *overrides])
     with pytest.raises(ValueError, match=message):
         JobConfig.from_config(cfg)
+
+
+def test_agent_episodes_and_compaction_need_what_a_checkpoint_gives(tmp_path):
+    """task.agent needs a checkpoint's chat template; compaction's markers are bytes. The
+    model comes from the checkpoint's config.json, config.model's runtime fields over it."""
+    from glmjax.tiny_checkpoint import MODEL
+
+    cfg = load_config(CONFIGS / "sao_agent_tiny.py", ["task.agent=terminus"])
+    with pytest.raises(ValueError, match="task.agent='terminus' talks to the engine through the chat template"):
+        JobConfig.from_config(cfg)
+    (tmp_path / "config.json").write_text(
+        '{"model_type": "glm_moe_dsa", "vocab_size": 300, "first_k_dense_replace": 1, '
+        + ", ".join(f'"{k}": {str(v).lower() if isinstance(v, bool) else v}' for k, v in MODEL.items()) + "}")
+    cfg = load_config(CONFIGS / "compaction_tiny.py", [f"base.checkpoint={tmp_path}", "model.dtype=bfloat16"])
+    with pytest.raises(ValueError, match="rl.compaction writes its markers in the byte vocabulary"):
+        JobConfig.from_config(cfg)
+    cfg = load_config(CONFIGS / "sao_tiny.py", [f"base.checkpoint={tmp_path}", "model.dtype=bfloat16",
+                                                "model.hidden_size=8"])
+    job = JobConfig.from_config(cfg)
+    assert (job.model.vocab_size, job.model.hidden_size, job.model.dtype) == (300, MODEL["hidden_size"], "bfloat16")
 
 
 def test_env_and_eval_invariants_name_their_field():
