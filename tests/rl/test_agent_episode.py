@@ -73,14 +73,21 @@ def _engine_spans(driver, row_tokens, since):
     return spans
 
 
-def test_the_row_is_exactly_what_the_engine_received_and_produced_over_several_turns(served):
-    driver, server, chat = served
+def _recorded(served, agent, session_id):
+    """An episode of `agent` run to the end; its row, the row's tokens and the engine
+    requests made for it (`_engine_spans`)."""
+    driver, server, _ = served
     since = len(driver.submitted)
-    episode = _episode(server, terminus, "exact-1")
+    episode = _episode(server, agent, session_id)
     (row,) = _run(episode)
-    assert episode.turns >= 3 and len(episode.calls) == episode.turns
     tokens = row.prompt + row.completion
-    spans = _engine_spans(driver, tokens, since)
+    return episode, row, tokens, _engine_spans(driver, tokens, since)
+
+
+def test_the_row_is_exactly_what_the_engine_received_and_produced_over_several_turns(served):
+    chat = served[2]
+    episode, row, tokens, spans = _recorded(served, terminus, "exact-1")
+    assert episode.turns >= 3 and len(episode.calls) == episode.turns
     assert len(spans) == len(episode.calls) >= 3
     action = [0] * len(tokens)
     for start, out, result in spans:
@@ -125,14 +132,10 @@ def _editing_agent(client, model, instruction, shell, *, max_turns, max_tokens, 
 
 
 def test_an_agent_that_rewrites_history_is_flagged_and_the_row_keeps_the_engines_tokens(served):
-    driver, server, _ = served
-    since = len(driver.submitted)
-    episode = _episode(server, _editing_agent, "edit-1")
-    (row,) = _run(episode)
+    episode, row, tokens, spans = _recorded(served, _editing_agent, "edit-1")
     assert episode.info["rerendered"] == 2  # the second and third calls carry an edited history
     assert [c.rerendered for c in episode.calls] == [False, True, True]
-    tokens = row.prompt + row.completion
-    for start, out, _ in _engine_spans(driver, tokens, since):
+    for start, out, _ in spans:
         assert tokens[start:start + len(out)] == out
 
 
