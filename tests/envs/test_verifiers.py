@@ -1,4 +1,4 @@
-"""Verifier kinds (envs/verifiers.py): each kind passing and failing on realistic and random
+"""Verifier kinds (envs/verifiers/): each kind passing and failing on realistic and random
 completions, the math worker's time limit, and hostile python completions in the sandbox."""
 
 import os
@@ -11,14 +11,7 @@ from fractions import Fraction
 import pytest
 
 from envs import verifiers
-from envs.sandbox import probe
 from envs.verifiers import FieldError, make
-
-ISO = probe()
-# the attacks below are bounded by the sandbox's own uid (process limit), chroot and PID namespace
-needs_isolation = pytest.mark.skipif(
-    (ISO.user, ISO.filesystem, ISO.processes) != ("dedicated-uid", "chroot", "pidns"),
-    reason="the sandbox here lacks a dedicated uid, chroot or PID namespace: " + ISO.describe())
 
 
 def test_kinds_are_a_table_found_by_name():
@@ -193,7 +186,8 @@ HOSTILE = {
 }
 
 
-@needs_isolation
+# the attacks are bounded by the sandbox's own uid (process limit), chroot and PID namespace
+
 def test_python_hostile_completions_score_zero():
     check = make({"kind": "python", "timeout": 2.0, "memory_mb": 512}, ADD, ADD_TESTS)
     assert pickle.loads(pickle.dumps(check))(f"Here:\n```python\n{ADD}```\n") == 1.0
@@ -204,7 +198,6 @@ def test_python_hostile_completions_score_zero():
     assert time.monotonic() - start < 30  # the loop, the fork bomb and the hog end at their limits
 
 
-@needs_isolation
 def test_python_tests_and_data_are_out_of_reach(tmp_path):
     data = tmp_path / "secret.jsonl"
     data.write_text('{"expected": 5}\n')
