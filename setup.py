@@ -31,7 +31,7 @@ setup(
         "transformers>=5.24,<6",
         "tokenizers>=0.22",
         "jinja2",
-        # the `math` verifier's expression equivalence (envs/verifiers.py)
+        # the `math` verifier's expression equivalence (envs/verifiers/expressions.py)
         "sympy>=1.12",
         # the OpenAI-compatible API (glmjax-serve --http-port) and task.agent episodes, whose
         # agent talks to the engine through it with the official client (envs/agents)

@@ -21,7 +21,7 @@ The public API, importable from `envs`:
     tool_calls.py  action formats: a model's turn read as commands and a submit
     families/      procedural text tasks and sandboxed task patterns; make_tasks(...)
     datasets.py    prompt datasets as JSONL files (our schema, GSM8K, MATH, MBPP, HumanEval, chat rows)
-    verifiers.py   the verifier kinds of a dataset row: exact, number, math (sympy), regex, python (sandboxed)
+    verifiers/     the verifier kinds of a dataset row: exact, number, math (sympy), regex, python (sandboxed)
     generate.py    pattern -> env -> judge -> verifier -> checks -> registry
     models.py      ModelClient protocol; OpenAI-compatible, scripted and oracle clients
     evaluate.py    the evaluation matrix (per category and sub-metric, pass@k with CIs)

@@ -1,4 +1,4 @@
-"""Prompt datasets as JSONL: one task a line, each with its verifier (``envs/verifiers.py``).
+"""Prompt datasets as JSONL: one task a line, each with its verifier (``envs/verifiers/``).
 
     tasks = load_tasks("data/gsm.jsonl")            # or a directory: its *.jsonl files, sorted
     train, heldout = split(tasks, heldout_fraction=0.1, seed=0)
@@ -17,7 +17,7 @@ The RL job reads them with ``task.data=FILE.jsonl`` (or a directory). A row of o
                                    kind python (the reference solution, if given)
      "verifier": "number",         exact | number | math | regex | python (default exact), or
                                    {"kind": "number", "tolerance": 1e-6}: options per kind in
-                                   envs/verifiers.py
+                                   envs/verifiers/
      "tests": "assert add(2, 3) == 5",  kind python only: test code (or a list of lines) run
                                    against the completion's code in a sandbox
      "split": "train"|"heldout",   optional; otherwise by a stable hash (split())
