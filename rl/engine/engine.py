@@ -17,11 +17,9 @@ methods). Differences that callers see:
     Prefix (`prefix.token`), and `prefill` takes the request's `sampling` settings.
   * `ResultTokens` also carries `log_probs` and `versions` per token; with speculation a
     step returns up to K + 1 tokens per slot, `valid` marking how many.
-  * `generate_rows(..., top_logprobs=True)` and `prefill_batch(..., top_logprobs=True)`
-    also return each token's max_top_logprobs most likely alternatives and their log-probs
-    (`ResultTokens.top_ids / top_logps`, `Prefix.top`), from the distribution its
-    log-prob is taken from (glmjax/sampling.top_logprobs). They are separate programs,
-    compiled when first asked for: a caller that never asks runs what it ran before.
+  * With `top_logprobs=True`, `generate_rows` and `prefill_batch` also return each token's
+    most likely alternatives (`ResultTokens.top_ids / top_logps`, `Prefix.top`; glmjax/
+    sampling.top_logprobs) from separate programs: a caller that never asks runs as before.
   * Additions: `prefill_batch` / `insert_batch` (several requests in one call),
     `generate_rows` (a step over the first n slots), `extract` (a slot's cache as a
     batch-1 KVCache, for prefix reuse), `free` (stop a slot), `move` (a slot into another).
