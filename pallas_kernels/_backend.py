@@ -6,13 +6,20 @@ Backends (`backend=` on every kernel; None means `jax.default_backend()`):
   * "gpu": Triton. Triton needs every loaded or stored block to have a power-of-two size,
     so the wrappers pad rows, keys and feature widths to powers of two (>= 16 for the
     matmul dimensions) and slice the padding off afterwards.
-  * "tpu": Mosaic. The kernels are written against Triton's memory model (pointer gathers,
-    atomics), which Mosaic TPU does not lower; they raise a clear error there.
+  * "tpu": Mosaic. The Triton kernels' memory model (pointer gathers, atomics) does not
+    lower there, so the ops dispatch to their Mosaic versions (`pallas_kernels/tpu/`).
+  * "tpu-interpret": the Mosaic versions in JAX's TPU interpret mode on a CPU
+    (`interpret=pltpu.InterpretParams()`): how the TPU kernels are tested here.
+
+The environment variable GLMJAX_PALLAS_BACKEND names the backend for every call that
+passes none (`GLMJAX_PALLAS_BACKEND=tpu-interpret` runs a `kernel_impl="pallas"` model
+through the TPU kernels on a CPU); otherwise it is `jax.default_backend()`.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -23,23 +30,24 @@ from jax.experimental.pallas import triton as pl_triton
 # online-softmax rescaling never meets inf - inf.
 NEG = -1e30
 MIN_DOT = 16  # Triton's smallest matmul dimension
-BACKENDS = ("cpu", "gpu", "tpu")
+BACKENDS = ("cpu", "gpu", "tpu", "tpu-interpret")
+MOSAIC = ("tpu", "tpu-interpret")  # the backends that run pallas_kernels/tpu/
 
 
 def resolve(backend: str | None) -> str:
-    backend = backend or jax.default_backend()
+    backend = backend or os.environ.get("GLMJAX_PALLAS_BACKEND") or jax.default_backend()
     if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is invalid: expected one of {BACKENDS} or None")
-    if backend == "tpu":
-        raise NotImplementedError(
-            "the glmjax Pallas kernels target Triton (GPU) and interpret mode (CPU); on a TPU use "
-            "kernel_impl='xla'")
+        raise ValueError(f"backend={backend!r} is invalid: expected one of {BACKENDS} or None "
+                         "(GLMJAX_PALLAS_BACKEND names one for calls that pass none)")
     return backend
 
 
 def call(kernel, *, backend: str, grid, in_specs, out_specs, out_shape, name: str,
          num_warps: int = 4, num_stages: int = 2, input_output_aliases=None):
     """`pl.pallas_call` for a resolved backend: interpret mode on a CPU, Triton on a GPU."""
+    if backend in MOSAIC:
+        raise ValueError(f"backend={backend!r}: this is a Triton kernel (GPU, or interpret mode on a CPU); "
+                         "on a TPU call the op through pallas_kernels.ops, which runs pallas_kernels/tpu/")
     params = None if backend == "cpu" else pl_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     return pl.pallas_call(
         kernel,

@@ -334,8 +334,8 @@ def test_every_kernel_lowers_to_triton():
                            qi, wi, ki)
 
 
-def test_tpu_backend_is_refused_clearly():
-    with pytest.raises(NotImplementedError, match="kernel_impl='xla'"):
+def test_triton_kernels_refuse_a_tpu_backend_clearly():
+    with pytest.raises(ValueError, match="pallas_kernels/tpu"):
         absorbed_mla.mla_attention(*_latents(0, 2, 4), jnp.zeros((B, 2), jnp.int32), scale=SCALE, backend="tpu")
 
 

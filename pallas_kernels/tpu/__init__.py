@@ -1,0 +1,4 @@
+"""Mosaic (TPU) versions of the attention kernels, under the references' signatures.
+
+    _mosaic.py     pallas_call on "tpu" (Mosaic) or "tpu-interpret" (TPU interpret mode on a CPU)
+"""
