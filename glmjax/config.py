@@ -3,8 +3,9 @@
 One frozen dataclass describes every model glmjax runs, from `configs/tiny.py` to the
 744B GLM-5. Field names are the ones in the checkpoint's `config.json`, so
 `ModelConfig.from_hf(path)` and `config.to_hf()` are plain renames plus derived lists.
-Three fields are glmjax's own (`dtype`, `param_dtype`, `kernel_impl`): how to run the
-model, not what it is; `to_hf` leaves them out.
+The fields under "How to run it" are glmjax's own (`dtype`, `param_dtype`, `kernel_impl`,
+`moe_capacity_factor`, `scan_layers`, `remat`): how to run the model, not what it is;
+`to_hf` leaves them out.
 
 Per-layer structure is derived once, here:
   * `mlp_layer_types[i]`  "dense" (plain SwiGLU) or "sparse" (MoE);
@@ -24,7 +25,10 @@ from typing import Any
 MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32")
 DTYPES = ("float32", "bfloat16")
 KERNEL_IMPLS = ("xla", "pallas")
+REMAT_POLICIES = ("none", "full", "matmuls")  # glmjax/layers/stack.py: what a layer keeps for its backward
 ROPE_TYPES = ("default", "yarn")
+
+RUNTIME_FIELDS = ("dtype", "param_dtype", "kernel_impl", "moe_capacity_factor", "scan_layers", "remat")
 
 _HF_ARCHITECTURES = {
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
@@ -90,6 +94,8 @@ class ModelConfig:
     param_dtype: str = "float32"
     kernel_impl: str = "xla"
     moe_capacity_factor: float | None = None  # expert-parallel buffer bound; None: never drop a token
+    scan_layers: bool = False  # stacked parameters per layer kind, the layers run under lax.scan
+    remat: str = "none"  # per layer: "none", "full" (keep its input) or "matmuls" (keep matmul outputs)
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  (frozen dataclass)
@@ -192,7 +198,8 @@ class ModelConfig:
                     _fail("rope_parameters", rope, f"yarn RoPE needs '{key}'")
         if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
             _fail("moe_capacity_factor", self.moe_capacity_factor, "expected None (no dropping) or a positive float")
-        for name, allowed in (("dtype", DTYPES), ("param_dtype", DTYPES), ("kernel_impl", KERNEL_IMPLS)):
+        for name, allowed in (("dtype", DTYPES), ("param_dtype", DTYPES), ("kernel_impl", KERNEL_IMPLS),
+                              ("remat", REMAT_POLICIES)):
             if getattr(self, name) not in allowed:
                 _fail(name, getattr(self, name), f"expected one of {allowed}")
 
@@ -223,6 +230,27 @@ class ModelConfig:
     @property
     def shared_intermediate_size(self) -> int:
         return self.moe_intermediate_size * self.n_shared_experts
+
+    @property
+    def layer_segments(self) -> tuple[tuple[int, int, int], ...]:
+        """(first layer, layers per group, repeats) of each run of identical layer groups
+        (glmjax/layers/stack.py): a group is a full-indexer layer and the shared layers
+        after it; groups match when they are dense or MoE at the same positions."""
+        groups: list[list[int]] = []
+        for i in range(self.num_hidden_layers):
+            if self.has_indexer(i) or not groups:
+                groups.append([i, 1])
+            else:
+                groups[-1][1] += 1
+        kinds = lambda g: tuple(self.is_moe(i) for i in range(g[0], g[0] + g[1]))  # noqa: E731
+        out: list[list[int]] = []
+        for g in groups:
+            last = out[-1] if out else None
+            if last is not None and last[1] == g[1] and kinds((last[0], last[1])) == kinds(g):
+                last[2] += 1
+            else:
+                out.append([g[0], g[1], 1])
+        return tuple(tuple(s) for s in out)
 
     def is_moe(self, layer: int) -> bool:
         return self.mlp_layer_types[layer] == "sparse"
@@ -263,7 +291,7 @@ class ModelConfig:
         rope.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
         if rope["rope_type"] == "yarn":
             rope.setdefault("original_max_position_embeddings", hf.get("max_position_embeddings"))
-        names = {f.name for f in dataclasses.fields(cls)} - {"dtype", "param_dtype", "kernel_impl", "moe_capacity_factor", "rope_parameters"}
+        names = {f.name for f in dataclasses.fields(cls)} - set(RUNTIME_FIELDS) - {"rope_parameters"}
         kwargs = {k: hf[k] for k in names if k in hf}
         kwargs["model_type"] = model_type
         kwargs["rope_parameters"] = rope
@@ -274,7 +302,7 @@ class ModelConfig:
     def to_hf(self) -> dict[str, Any]:
         """The config.json dict transformers' GlmMoeDsaConfig / DeepseekV32Config read."""
         out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if f.name not in ("dtype", "param_dtype", "kernel_impl", "moe_capacity_factor", "index_topk_pattern")}
+               if f.name not in RUNTIME_FIELDS + ("index_topk_pattern",)}
         out["rope_parameters"] = self.rope
         out["mlp_layer_types"] = list(self.mlp_layer_types)
         out["indexer_types"] = list(self.indexer_types)

@@ -14,8 +14,8 @@ W_UK [C, H, K] and W_UV [C, H, V]; experts stacked to [E, D, F] / [E, F, D].
 Loading places every parameter straight into its sharding (`jax.make_array_from_callback`
 with the logical rules' spec, or one device without a mesh): the callback for a shard
 reads only that shard's slice of the HF tensor, and an expert stack's callback for a range
-of the E axis reads only those experts' tensors, so each process reads what its devices
-hold and the host holds about one tensor's local shards at a time. Saving gathers one
+of the E axis reads only those experts' tensors, and a scanned model's stack [R, ...]
+reads only the layers of its R range, so each process reads what its devices hold and the host holds about one tensor's local shards at a time. Saving gathers one
 variable at a time (across processes when it spans several) and streams the HF tensors
 made from it to disk (glmjax/safetensors_io.py); process 0 writes.
 """
@@ -122,16 +122,22 @@ def _read_experts(names: list[str]) -> Read:
 
 @dataclasses.dataclass(frozen=True)
 class Tensor:
-    """One HF tensor <-> one glmjax Variable."""
+    """One HF tensor <-> one glmjax Variable, or one row of a scanned layer's stacked one."""
 
     name: str
     var: nnx.Variable
     to_hf: Callable[[np.ndarray], np.ndarray]
     read: Read
+    row: int | None = None  # the repeat, when var is stacked [R, ...] (glmjax/layers/stack.py)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The glmjax array's shape (one row's, for a stacked variable)."""
+        return tuple(self.var.shape if self.row is None else self.var.shape[1:])
 
     @property
     def hf_shape(self) -> tuple[int, ...]:
-        return tuple(jax.eval_shape(self.to_hf, jax.ShapeDtypeStruct(self.var.shape, np.float32)).shape)
+        return tuple(jax.eval_shape(self.to_hf, jax.ShapeDtypeStruct(self.shape, np.float32)).shape)
 
 
 def _linear(name, var):
@@ -143,11 +149,11 @@ def _vector(name, var):
 
 
 def _heads_out(name, var):
-    return Tensor(name, var, _heads_out_to_hf, _read_heads_out(name, var.shape[2]))
+    return Tensor(name, var, _heads_out_to_hf, _read_heads_out(name, var.shape[-1]))
 
 
 def _heads_in(name, var):
-    return Tensor(name, var, _heads_in_to_hf, _read_heads_in(name, var.shape[1]))
+    return Tensor(name, var, _heads_in_to_hf, _read_heads_in(name, var.shape[-2]))
 
 
 def _layer_tensors(prefix: str, layer: DecoderLayer) -> Iterator[Tensor]:
@@ -181,11 +187,19 @@ def _layer_tensors(prefix: str, layer: DecoderLayer) -> Iterator[Tensor]:
             yield _linear(f"{m}{proj}_proj.weight", getattr(layer.mlp, proj))
 
 
-def _blocks(model: GlmForCausalLM) -> Iterator[tuple[str, DecoderLayer]]:
-    for i, layer in enumerate(model.layers):
-        yield f"model.layers.{i}.", layer
+def _blocks(model: GlmForCausalLM) -> Iterator[tuple[str, DecoderLayer, int | None]]:
+    """(HF prefix, block, row) of every decoder block: a scanned layer is row r of its
+    group position's stacked block."""
+    if model.segments is None:
+        for i, layer in enumerate(model.layers):
+            yield f"model.layers.{i}.", layer, None
+    else:
+        for segment in model.segments:
+            for r in range(segment.repeats):
+                for j, block in enumerate(segment.group.layers):
+                    yield f"model.layers.{segment.first + r * segment.period + j}.", block, r
     if model.mtp is not None:
-        yield f"model.layers.{model.config.num_hidden_layers}.", model.mtp.block
+        yield f"model.layers.{model.config.num_hidden_layers}.", model.mtp.block, None
 
 
 def _simple_tensors(model: GlmForCausalLM) -> Iterator[Tensor]:
@@ -193,8 +207,9 @@ def _simple_tensors(model: GlmForCausalLM) -> Iterator[Tensor]:
     yield _vector("model.norm.weight", model.norm.weight)
     if model.lm_head is not None:
         yield _linear("lm_head.weight", model.lm_head)
-    for prefix, block in _blocks(model):
-        yield from _layer_tensors(prefix, block)
+    for prefix, block, row in _blocks(model):
+        for t in _layer_tensors(prefix, block):
+            yield dataclasses.replace(t, row=row)
     if model.mtp is not None:
         p = f"model.layers.{model.config.num_hidden_layers}."
         yield _vector(p + "enorm.weight", model.mtp.enorm.weight)
@@ -209,19 +224,20 @@ def _mtp_prefix(config: ModelConfig) -> str:
 
 # Export ----------------------------------------------------------------------------------
 class _Gathered:
-    """The full value of one variable at a time on this host (process_allgather when its
-    shards span processes, every process taking part); kept while consecutive HF tensors
-    are made from it (an expert stack gives one per expert), dropped before the next."""
+    """The full value of one variable (one row of a stacked one) at a time on this host
+    (process_allgather when its shards span processes, every process taking part); kept
+    while consecutive HF tensors are made from it (an expert stack gives one per expert),
+    dropped before the next."""
 
     def __init__(self):
-        self._var, self._value = None, None
+        self._key, self._value = None, None
 
-    def __call__(self, var: nnx.Variable) -> np.ndarray:
-        if var is not self._var:
-            self._var = self._value = None
-            x = var[...]
+    def __call__(self, var: nnx.Variable, row: int | None = None) -> np.ndarray:
+        if self._key is None or self._key[0] is not var or self._key[1] != row:
+            self._key = self._value = None
+            x = var[...] if row is None else var[...][row]
             self._value = np.asarray(x) if x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True)
-            self._var = var
+            self._key = (var, row)
         return self._value
 
 
@@ -232,28 +248,31 @@ def _kv_b_to_hf(w_uk, w_uv):  # [C, H, K], [C, H, V] -> [H*(K+V), C]
 
 def hf_tensors(model: GlmForCausalLM) -> list[tuple[Entry, Callable[[], np.ndarray]]]:
     """The HF tensors of a model (per-expert layout), each as its name, shape and dtype and
-    a function that makes its host array; in an order that gathers each variable once."""
+    a function that makes its host array; in an order that gathers each variable (each row
+    of a stacked one) once."""
     c = model.config
     full = _Gathered()
-    out = []
+    out, order = [], {}
 
-    def add(name, shape, var, make):
-        out.append((Entry(name, tuple(shape), np.dtype(var.dtype)), make))
+    def add(name, shape, var, row, make):
+        key = (order.setdefault(id(var), len(order)), -1 if row is None else row)
+        out.append((key, Entry(name, tuple(shape), np.dtype(var.dtype)), make))
 
     for t in _simple_tensors(model):
-        add(t.name, t.hf_shape, t.var, lambda t=t: t.to_hf(full(t.var)))
+        add(t.name, t.hf_shape, t.var, t.row, lambda t=t: t.to_hf(full(t.var, t.row)))
     h, k, v, cdim = c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
-    for prefix, block in _blocks(model):
+    for prefix, block, row in _blocks(model):
         a = block.attn
-        add(prefix + "self_attn.kv_b_proj.weight", (h * (k + v), cdim), a.w_uk,
-            lambda a=a: _kv_b_to_hf(full(a.w_uk), full(a.w_uv)))
+        add(prefix + "self_attn.kv_b_proj.weight", (h * (k + v), cdim), a.w_uk, row,
+            lambda a=a, row=row: _kv_b_to_hf(full(a.w_uk, row), full(a.w_uv, row)))
         if isinstance(block.mlp, MoE):
             for proj in ("gate", "up", "down"):
-                var = getattr(block.mlp.experts, proj)  # [E, D, F] (gate, up) or [E, F, D] (down)
+                var = getattr(block.mlp.experts, proj)  # [E, D, F] (gate, up) or [E, F, D] (down), [R, ...] stacked
                 for e in range(c.n_routed_experts):
-                    add(f"{prefix}mlp.experts.{e}.{proj}_proj.weight", var.shape[:0:-1], var,
-                        lambda var=var, e=e: full(var)[e].T)
-    return out
+                    add(f"{prefix}mlp.experts.{e}.{proj}_proj.weight", var.shape[:-3:-1], var, row,
+                        lambda var=var, e=e, row=row: full(var, row)[e].T)
+    out.sort(key=lambda item: item[0])  # stable: within a (variable, row), the order above
+    return [(entry, make) for _, entry, make in out]
 
 
 def save_pretrained(model: GlmForCausalLM, path: str | os.PathLike, *, max_shard_bytes: int = SHARD_BYTES) -> None:
@@ -312,42 +331,52 @@ def _placed(shape: tuple[int, ...], placement: jax.sharding.Sharding | None, rea
 def _load_into(model: GlmForCausalLM, reader: Reader,
                placement: Callable[[nnx.Variable], jax.sharding.Sharding | None]) -> set[str]:
     """Fills every Variable of the (abstract) model from the checkpoint, each in the
-    sharding `placement` gives it; returns the names of the HF tensors it used."""
+    sharding `placement` gives it; returns the names of the HF tensors it used. A stacked
+    variable [R, ...] is built once, its callback reading the rows of its index's R range."""
     c = model.config
     dtype = _NP_DTYPES[c.param_dtype]
     names = reader.names()
     used = set()
+    pending: dict[int, tuple[nnx.Variable, dict, dict[int | None, Read], np.dtype]] = {}
 
-    def place(var, sources: dict[str, tuple[int, ...]], read: Read, target=dtype):
+    def source(var, row, sources: dict[str, tuple[int, ...]], read: Read, target=dtype):
         for name, expected in sources.items():
             if name not in names:
                 raise CheckpointMismatch(f"tensor {name!r} (shape {tuple(expected)}) is missing from the checkpoint")
             _check_shape(reader, name, expected)
             used.add(name)
-        var.set_value(_placed(var.shape, placement(var), lambda i: np.asarray(read(reader, i)).astype(target)))
+        pending.setdefault(id(var), (var, {}, {}, target))[2][row] = read
 
     for t in _simple_tensors(model):
         keep = t.var.dtype == jnp.float32 and (t.name.endswith(("gate.weight", "e_score_correction_bias",
                                                                 "weights_proj.weight")))
-        place(t.var, {t.name: t.hf_shape}, t.read, t.var.dtype if keep else dtype)
+        source(t.var, t.row, {t.name: t.hf_shape}, t.read, t.var.dtype if keep else dtype)
     h, k, v, cdim = c.num_attention_heads, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
-    for prefix, block in _blocks(model):
+    for prefix, block, row in _blocks(model):
         kv_b = prefix + "self_attn.kv_b_proj.weight"
-        place(block.attn.w_uk, {kv_b: (h * (k + v), cdim)}, _read_kv_b(kv_b, k + v, 0))
-        place(block.attn.w_uv, {kv_b: (h * (k + v), cdim)}, _read_kv_b(kv_b, k + v, k))
+        source(block.attn.w_uk, row, {kv_b: (h * (k + v), cdim)}, _read_kv_b(kv_b, k + v, 0))
+        source(block.attn.w_uv, row, {kv_b: (h * (k + v), cdim)}, _read_kv_b(kv_b, k + v, k))
         if not isinstance(block.mlp, MoE):
             continue
         ex = block.mlp.experts
         e_, d, f = c.n_routed_experts, c.hidden_size, c.moe_intermediate_size
         fused, down = prefix + "mlp.experts.gate_up_proj", prefix + "mlp.experts.down_proj"
         if fused in names:
-            place(ex.gate, {fused: (e_, 2 * f, d)}, _read_gate_up(fused, 0))
-            place(ex.up, {fused: (e_, 2 * f, d)}, _read_gate_up(fused, f))
-            place(ex.down, {down: (e_, d, f)}, _read_t(down))
+            source(ex.gate, row, {fused: (e_, 2 * f, d)}, _read_gate_up(fused, 0))
+            source(ex.up, row, {fused: (e_, 2 * f, d)}, _read_gate_up(fused, f))
+            source(ex.down, row, {down: (e_, d, f)}, _read_t(down))
             continue
         for proj, shape in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
             per_expert = [f"{prefix}mlp.experts.{e}.{proj}_proj.weight" for e in range(e_)]
-            place(getattr(ex, proj), dict.fromkeys(per_expert, shape), _read_experts(per_expert))
+            source(getattr(ex, proj), row, dict.fromkeys(per_expert, shape), _read_experts(per_expert))
+
+    for var, _, reads, target in pending.values():
+        if None in reads:
+            read = reads[None]
+        else:  # stacked: rows i[0] of [R, ...], each read from its own layer's tensors
+            read = lambda r, i, reads=reads: np.stack([reads[row](r, i[1:]) for row in range(i[0].start, i[0].stop)])
+        var.set_value(_placed(var.shape, placement(var), lambda i, read=read, target=target: np.asarray(
+            read(reader, i)).astype(target)))
     return used
 
 
@@ -357,6 +386,8 @@ def from_pretrained(
     dtype: str = "float32",
     mesh: jax.sharding.Mesh | None = None,
     kernel_impl: str = "xla",
+    scan_layers: bool = False,
+    remat: str = "none",
 ) -> GlmForCausalLM:
     """Loads an HF GLM-5 / DeepSeek-V3.2 checkpoint directory (config.json + safetensors).
 
@@ -365,11 +396,13 @@ def from_pretrained(
     checkpoint has `model.layers.{num_hidden_layers}.*`; a checkpoint without it (as
     transformers writes them) gives a model without MTP. With a mesh, each parameter is
     placed in the sharding the logical rules give it (`sharding.current_rules()`), and
-    each process reads only the slices its devices hold.
+    each process reads only the slices its devices hold. scan_layers / remat: how the model
+    runs (ModelConfig); scanned, each layer's tensors fill one row of its group's stacks.
     """
     path = os.fspath(path)
     reader = Reader(path)
-    config = ModelConfig.from_hf(path, dtype=dtype, param_dtype=dtype, kernel_impl=kernel_impl)
+    config = ModelConfig.from_hf(path, dtype=dtype, param_dtype=dtype, kernel_impl=kernel_impl,
+                                 scan_layers=scan_layers, remat=remat)
     mtp_names = {n for n in reader.names() if n.startswith(_mtp_prefix(config))}
     if not mtp_names and config.num_nextn_predict_layers:
         log.warning("%s has no MTP tensors (%s*): loading the model without its MTP layer", path,

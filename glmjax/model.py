@@ -7,6 +7,10 @@ One forward serves training, prefill and decode:
     empty, decode of one token, or verification of several speculative drafts at once.
 The top-k selection of each full-indexer layer flows to the shared layers after it; the
 last layer's is returned (`ModelOutput.topk`) for MTP drafting over the main cache.
+
+Layers are a Python loop over `model.layers` by default, or with `config.scan_layers` a
+few `model.segments`, each one group of layers stacked over its repeats and run by
+`nnx.scan` (glmjax/layers/stack.py); both rematerialise per layer as `config.remat` says.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from glmjax.layers.mla import Context
 from glmjax.layers.mtp import MTP
 from glmjax.layers.norms import RMSNorm
 from glmjax.layers.rope import rope_tables
+from glmjax.layers.stack import Segment, run_layer
 from glmjax.sharding import Rules, constrain, param_shardings
 
 
@@ -51,8 +56,13 @@ class GlmForCausalLM(nnx.Module):
         self.embed_tokens = nnx.Param(init(rngs.params(), (c.vocab_size, c.hidden_size), pdt),
                                       logical_axes=("vocab", "embed"))  # [N, D]
         # A fresh key stream per layer keeps init independent of depth (and cheap to trace).
-        self.layers = nnx.List([DecoderLayer(c, i, rngs=nnx.Rngs(params=rngs.params()))
-                                for i in range(c.num_hidden_layers)])
+        if c.scan_layers:
+            self.layers = None
+            self.segments = nnx.List([Segment(c, *s, rngs=nnx.Rngs(params=rngs.params())) for s in c.layer_segments])
+        else:
+            self.layers = nnx.List([DecoderLayer(c, i, rngs=nnx.Rngs(params=rngs.params()))
+                                    for i in range(c.num_hidden_layers)])
+            self.segments = None
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, param_dtype=pdt)
         self.lm_head = None if c.tie_word_embeddings else nnx.Param(
             init(rngs.params(), (c.hidden_size, c.vocab_size), pdt), logical_axes=("embed", "vocab"))  # [D, N]
@@ -92,16 +102,10 @@ class GlmForCausalLM(nnx.Module):
         q_pos = self.positions(input_ids, cache, positions)
         cos, sin = rope_tables(c, q_pos)
         x = constrain(self.embed(input_ids), ("batch", "length", "act_embed"))
-        topk, losses, loads, new_layers = None, [], [], []
-        for i, layer in enumerate(self.layers):
-            out = layer(x, cos, sin, q_pos, cache=None if cache is None else cache.layers[i],
-                        shared_topk=topk, indexer_loss=indexer_loss)
-            x, topk = constrain(out.x, ("batch", "length", "act_embed")), out.topk
-            new_layers.append(out.cache)
-            if out.indexer_loss is not None:
-                losses.append(out.indexer_loss)
-            if out.expert_load is not None:
-                loads.append(out.expert_load)
+        if self.segments is not None:
+            x, topk, new_layers, losses, loads = self._scanned(x, cos, sin, q_pos, cache, indexer_loss)
+        else:
+            x, topk, new_layers, losses, loads = self._looped(x, cos, sin, q_pos, cache, indexer_loss)
         new_cache = None
         if cache is not None:
             new_cache = cache._replace(layers=tuple(new_layers), lengths=cache.lengths + input_ids.shape[1])
@@ -112,10 +116,42 @@ class GlmForCausalLM(nnx.Module):
             logits=constrain(self.head(h), ("batch", "length", "act_vocab")),
             hidden=x,
             cache=new_cache,
-            indexer_loss=jnp.mean(jnp.stack(losses)) if losses else None,
-            expert_load=jnp.stack(loads) if loads else None,
+            indexer_loss=jnp.mean(jnp.concatenate(losses)) if losses else None,
+            expert_load=jnp.concatenate(loads) if loads else None,
             topk=topk,
         )
+
+    def _looped(self, x, cos, sin, q_pos, cache, indexer_loss):
+        topk, losses, loads, new_layers = None, [], [], []
+        for i, layer in enumerate(self.layers):
+            out = run_layer(layer, x, cos, sin, q_pos, cache=None if cache is None else cache.layers[i],
+                            shared_topk=topk, indexer_loss=indexer_loss, remat=self.config.remat)
+            x, topk = constrain(out.x, ("batch", "length", "act_embed")), out.topk
+            new_layers.append(out.cache)
+            if out.indexer_loss is not None:
+                losses.append(out.indexer_loss[None])
+            if out.expert_load is not None:
+                loads.append(out.expert_load[None])
+        return x, topk, new_layers, losses, loads
+
+    def _scanned(self, x, cos, sin, q_pos, cache, indexer_loss):
+        """The segments in order; the top-k carried through each scan keeps one structure,
+        an array [B, T, P] when the layers select (as MLA decides: fewer top-k than keys,
+        not the dense indexer warm-up), else None."""
+        c = self.config
+        num_keys = x.shape[1] if cache is None else cache.max_len
+        selects = c.index_topk < num_keys and indexer_loss != "dense"
+        topk = jnp.zeros((*x.shape[:2], c.index_topk), jnp.int32) if selects else None
+        losses, loads, new_layers = [], [], []
+        for s, segment in enumerate(self.segments):
+            out = segment(x, topk, cos, sin, q_pos, None if cache is None else cache.layers[s], indexer_loss)
+            x, topk = out.x, out.topk
+            new_layers.append(out.caches)
+            if out.indexer_losses is not None:
+                losses.append(out.indexer_losses)
+            if out.expert_loads is not None:
+                loads.append(out.expert_loads)
+        return x, topk, new_layers, losses, loads
 
     def mtp_forward(self, hidden, next_ids, *, positions=None, cache=None, lengths=None,
                     context: Context | None = None) -> MTPOutput:

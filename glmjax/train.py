@@ -93,7 +93,7 @@ def mtp_draft_logits(model: GlmForCausalLM, ids: jax.Array, depth: int, mode: st
         context = None
         if mode == "shared":
             committed = pos[:, :t - j]
-            context = Context(main.cache.layers[-1], committed, None if main.topk is None else main.topk[:, :t - j])
+            context = Context(main.cache.layer(-1), committed, None if main.topk is None else main.topk[:, :t - j])
         o = model.mtp_forward(h, ids[:, j:], positions=pos[:, j - 1:t - 1], context=context)
         out.append(o.logits)
         h = o.hidden[:, :-1]

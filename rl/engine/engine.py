@@ -394,7 +394,7 @@ class GlmEngine(_Engine):
             cache = self._empty_rows(rows)
         else:
             with self._on_mesh():
-                cache = caches[0] if rows == 1 else jax.tree.map(lambda *xs: jnp.concatenate(xs), *caches)
+                cache = caches[0] if rows == 1 else KVCache.concatenate(caches)
         w = self._weights(params)
         with self._on_mesh():
             prefix, top = self._prefill_fn(self._leaves(w), cache, jnp.asarray(ids), jnp.asarray(lengths, jnp.int32),
@@ -507,7 +507,7 @@ class GlmEngine(_Engine):
     def _insert_impl(prefix: Prefix, state: DecodeState, slots):
         put = lambda dst, src: dst.at[slots].set(src.astype(dst.dtype), mode="drop")  # noqa: E731
         return DecodeState(
-            cache=jax.tree.map(put, state.cache, prefix.cache),
+            cache=state.cache.put_rows(slots, prefix.cache),
             tokens=put(state.tokens, prefix.token),
             drafts=put(state.drafts, prefix.drafts),
             draft_logp=put(state.draft_logp, prefix.draft_logp),

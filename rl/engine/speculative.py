@@ -76,7 +76,7 @@ def draft_shared(model, hidden, next_tok, pos, main_cache: KVCache, topk, num_dr
     token after it; topk [B, P] that position's selection or None. keys [num_draft, B].
     Returns (drafts [B, K], draft log-probs [B, K, N])."""
     vis = pos[:, None]
-    context = Context(main_cache.layers[-1], vis, None if topk is None else topk[:, None])
+    context = Context(main_cache.layer(-1), vis, None if topk is None else topk[:, None])
 
     def step(carry, key):
         tok, h, q_pos = carry
