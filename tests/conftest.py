@@ -22,6 +22,9 @@ if "xla_cpu_use_fusion_emitters" not in _xla_flags:
     _xla_flags += " --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = _xla_flags.strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Tests compile for TPU topologies through libtpu (pallas_kernels/tpu, glmjax-aot), from both
+# xdist workers at once: libtpu's one-process lockfile would refuse the second.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402  (after the environment above)
 import pytest  # noqa: E402
