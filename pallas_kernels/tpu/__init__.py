@@ -1,4 +1,5 @@
 """Mosaic (TPU) versions of the attention kernels, under the references' signatures.
 
     _mosaic.py     pallas_call on "tpu" (Mosaic) or "tpu-interpret" (TPU interpret mode on a CPU)
+    mla.py         absorbed MLA (reference.mla_attention): flash prefill / split-key decode, custom-VJP backward
 """
