@@ -21,7 +21,8 @@ Backward, Algorithm 2, from the saved lse and delta = rowsum(o * do):
 JAX, dq and dk / dv are separate kernels: dq walks key blocks for a row block, dk walks row
 blocks for a key block, each accumulating in fp32 VMEM scratch over the "arbitrary" last
 grid axis. Blocks that no row can see are skipped with `pl.when`, and their index maps
-repeat an earlier block so that the skipped steps start no copy from HBM.
+repeat an earlier block so that the skipped steps start no copy from HBM; blocks that every
+row sees whole (most of a causal prefill) skip the mask.
 
 Decode (T of 1..8 against a long cache) has a few row blocks only, so the forward also
 splits the keys among programs on a "parallel" grid axis (flash decoding) and merges the
@@ -66,9 +67,17 @@ def mm_nt(a, b):
     return _dot(a, b, 1)
 
 
-def _visible(pos, key_start: int, shape):
-    """[rows, keys] mask: key key_start + k is visible to the row at pos [rows, 1]."""
-    return key_start + jax.lax.broadcasted_iota(jnp.int32, shape, 1) <= pos
+def _visible(pos, key_start: int, shape, key_axis: int = 1):
+    """The mask of a [rows, keys] tile (key_axis 1, pos [rows, 1]) or of a [keys, rows] one
+    (key_axis 0, pos [1, rows]): key key_start + k is visible to the row at pos."""
+    return key_start + jax.lax.broadcasted_iota(jnp.int32, shape, key_axis) <= pos
+
+
+def _when_visible(step, j, last, full):
+    """step(masked) for key block j of a row block whose blocks < full are seen whole by every
+    row and whose blocks > last by none."""
+    pl.when(j < full)(lambda: step(masked=False))
+    pl.when((j >= full) & (j <= last))(lambda: step(masked=True))
 
 
 def _scores(qc, qr, c, r, scale: float):
@@ -77,7 +86,7 @@ def _scores(qc, qr, c, r, scale: float):
 
 # -- forward ---------------------------------------------------------------------------
 
-def _forward_kernel(last_ref, qc_ref, qr_ref, c_ref, r_ref, pos_ref, o_ref, lse_ref, acc_ref, m_ref, l_ref, *,
+def _forward_kernel(last_ref, full_ref, qc_ref, qr_ref, c_ref, r_ref, pos_ref, o_ref, lse_ref, acc_ref, m_ref, l_ref, *,
                     scale: float, row_blocks: int, per_split: int, block_k: int):
     b, i, split, k = (pl.program_id(a) for a in range(4))
     j = split * per_split + k  # the key block of this step
@@ -88,19 +97,23 @@ def _forward_kernel(last_ref, qc_ref, qr_ref, c_ref, r_ref, pos_ref, o_ref, lse_
         m_ref[...] = jnp.full_like(m_ref, NEG)
         l_ref[...] = jnp.zeros_like(l_ref)
 
-    @pl.when(j <= last_ref[b * row_blocks + i])
-    def _step():
+    def step(masked: bool):
         c = c_ref[...]
         s = _scores(qc_ref[...], qr_ref[...], c, r_ref[...], scale)
-        visible = _visible(pos_ref[...], j * block_k, s.shape)
-        s = jnp.where(visible, s, NEG)
+        if masked:
+            visible = _visible(pos_ref[...], j * block_k, s.shape)
+            s = jnp.where(visible, s, NEG)
         m_prev = m_ref[...]
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))  # [bm, 1]
-        p = jnp.where(visible, jnp.exp(s - m_next), 0.0)
+        p = jnp.exp(s - m_next)
+        if masked:  # a row that has seen nothing yet has m_next = NEG = s
+            p = jnp.where(visible, p, 0.0)
         fix = jnp.exp(m_prev - m_next)
         l_ref[...] = l_ref[...] * fix + jnp.sum(p, axis=1, keepdims=True)
         acc_ref[...] = acc_ref[...] * fix + mm(p.astype(c.dtype), c)
         m_ref[...] = m_next
+
+    _when_visible(step, j, last_ref[b * row_blocks + i], full_ref[b * row_blocks + i])
 
     @pl.when(k == per_split - 1)
     def _finish():
@@ -111,24 +124,24 @@ def _forward_kernel(last_ref, qc_ref, qr_ref, c_ref, r_ref, pos_ref, o_ref, lse_
         lse_ref[...] = jnp.where(seen, m_ref[...] + jnp.log(safe), NEG)
 
 
-def _forward(qc, qr, c, r, pos, last, *, scale: float, block_m: int, block_k: int, splits: int, backend: str):
+def _forward(qc, qr, c, r, pos, last, full, *, scale: float, block_m: int, block_k: int, splits: int, backend: str):
     """Per-split o [B, splits, M, C] (fp32 when splits > 1) and lse [B, splits, M, 1]."""
     b, m, cp = qc.shape
     rp = qr.shape[-1]
     row_blocks, key_blocks = m // block_m, c.shape[1] // block_k
     per_split = -(-key_blocks // splits)
 
-    def key_map(bi, i, split, k, last_ref):  # past the last visible block: hold the last one (no new copy)
+    def key_map(bi, i, split, k, last_ref, full_ref):  # past the last visible block: hold the last one (no new copy)
         return bi, jnp.minimum(split * per_split + k, jnp.maximum(last_ref[bi * row_blocks + i], 0)), 0
 
     def rows(width):
-        return pl.BlockSpec((None, block_m, width), lambda bi, i, split, k, last_ref: (bi, i, 0))
+        return pl.BlockSpec((None, block_m, width), lambda bi, i, split, k, *_: (bi, i, 0))
 
     def keys(width):
         return pl.BlockSpec((None, block_k, width), key_map)
 
     def out(width):
-        return pl.BlockSpec((None, None, block_m, width), lambda bi, i, split, k, last_ref: (bi, split, i, 0))
+        return pl.BlockSpec((None, None, block_m, width), lambda bi, i, split, k, *_: (bi, split, i, 0))
 
     out_dtype = qc.dtype if splits == 1 else jnp.float32
     kernel = functools.partial(_forward_kernel, scale=scale, row_blocks=row_blocks, per_split=per_split,
@@ -139,7 +152,7 @@ def _forward(qc, qr, c, r, pos, last, *, scale: float, block_m: int, block_k: in
         name="mla_flash_forward",
         dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
+            num_scalar_prefetch=2,
             grid=(b, row_blocks, splits, per_split),
             in_specs=[rows(cp), rows(rp), keys(cp), keys(rp), rows(1)],
             out_specs=[out(cp), out(1)],
@@ -148,7 +161,7 @@ def _forward(qc, qr, c, r, pos, last, *, scale: float, block_m: int, block_k: in
         ),
         out_shape=[jax.ShapeDtypeStruct((b, splits, m, cp), out_dtype),
                    jax.ShapeDtypeStruct((b, splits, m, 1), jnp.float32)],
-    )(last, qc, qr, c, r, pos)
+    )(last, full, qc, qr, c, r, pos)
 
 
 def merge_splits(o, lse):
@@ -167,7 +180,7 @@ def merge_splits(o, lse):
 
 # -- backward --------------------------------------------------------------------------
 
-def _dq_kernel(last_ref, qc_ref, qr_ref, c_ref, r_ref, pos_ref, do_ref, lse_ref, delta_ref, dqc_ref, dqr_ref,
+def _dq_kernel(last_ref, full_ref, qc_ref, qr_ref, c_ref, r_ref, pos_ref, do_ref, lse_ref, delta_ref, dqc_ref, dqr_ref,
                acc_c_ref, acc_r_ref, *, scale: float, row_blocks: int, block_k: int):
     b, i, j = (pl.program_id(a) for a in range(3))
 
@@ -176,14 +189,17 @@ def _dq_kernel(last_ref, qc_ref, qr_ref, c_ref, r_ref, pos_ref, do_ref, lse_ref,
         acc_c_ref[...] = jnp.zeros_like(acc_c_ref)
         acc_r_ref[...] = jnp.zeros_like(acc_r_ref)
 
-    @pl.when(j <= last_ref[b * row_blocks + i])
-    def _step():
+    def step(masked: bool):
         c, r = c_ref[...], r_ref[...]
         s = _scores(qc_ref[...], qr_ref[...], c, r, scale)
-        p = jnp.where(_visible(pos_ref[...], j * block_k, s.shape), jnp.exp(s - lse_ref[...]), 0.0)
+        p = jnp.exp(s - lse_ref[...])
+        if masked:
+            p = jnp.where(_visible(pos_ref[...], j * block_k, s.shape), p, 0.0)
         ds = (p * (mm_nt(do_ref[...], c) - delta_ref[...]) * scale).astype(c.dtype)  # [bm, bk]
         acc_c_ref[...] += mm(ds, c)
         acc_r_ref[...] += mm(ds, r)
+
+    _when_visible(step, j, last_ref[b * row_blocks + i], full_ref[b * row_blocks + i])
 
     @pl.when(j == pl.num_programs(2) - 1)
     def _finish():
@@ -191,8 +207,8 @@ def _dq_kernel(last_ref, qc_ref, qr_ref, c_ref, r_ref, pos_ref, do_ref, lse_ref,
         dqr_ref[...] = acc_r_ref[...].astype(dqr_ref.dtype)
 
 
-def _dkv_kernel(last_ref, first_ref, qc_ref, qr_ref, c_ref, r_ref, pos_ref, do_ref, lse_ref, delta_ref, dc_ref,
-                dr_ref, acc_c_ref, acc_r_ref, *, scale: float, row_blocks: int, block_k: int):
+def _dkv_kernel(last_ref, full_ref, first_ref, qc_ref, qr_ref, c_ref, r_ref, pos_ref, do_ref, lse_ref, delta_ref,
+                dc_ref, dr_ref, acc_c_ref, acc_r_ref, *, scale: float, row_blocks: int, block_k: int):
     """Works on the transposed tile [bk, bm] (keys on sublanes), as the row vectors pos, lse
     and delta arrive lane-dense [1, bm]: p^T and ds^T come out of the matmuls unrotated."""
     b, j, i = (pl.program_id(a) for a in range(3))
@@ -202,15 +218,17 @@ def _dkv_kernel(last_ref, first_ref, qc_ref, qr_ref, c_ref, r_ref, pos_ref, do_r
         acc_c_ref[...] = jnp.zeros_like(acc_c_ref)
         acc_r_ref[...] = jnp.zeros_like(acc_r_ref)
 
-    @pl.when(j <= last_ref[b * row_blocks + i])
-    def _step():
+    def step(masked: bool):
         qc, qr, c, do = qc_ref[...], qr_ref[...], c_ref[...], do_ref[...]
         s_t = _scores(c, r_ref[...], qc, qr, scale)  # [bk, bm]
-        keys = j * block_k + jax.lax.broadcasted_iota(jnp.int32, s_t.shape, 0)
-        p_t = jnp.where(keys <= pos_ref[...], jnp.exp(s_t - lse_ref[...]), 0.0)
+        p_t = jnp.exp(s_t - lse_ref[...])
+        if masked:
+            p_t = jnp.where(_visible(pos_ref[...], j * block_k, s_t.shape, key_axis=0), p_t, 0.0)
         ds_t = (p_t * (mm_nt(c, do) - delta_ref[...]) * scale).astype(qc.dtype)
         acc_c_ref[...] += mm(ds_t, qc) + mm(p_t.astype(do.dtype), do)
         acc_r_ref[...] += mm(ds_t, qr)
+
+    _when_visible(step, j, last_ref[b * row_blocks + i], full_ref[b * row_blocks + i])
 
     @pl.when(i == row_blocks - 1)
     def _finish():
@@ -218,7 +236,8 @@ def _dkv_kernel(last_ref, first_ref, qc_ref, qr_ref, c_ref, r_ref, pos_ref, do_r
         dr_ref[...] = acc_r_ref[...].astype(dr_ref.dtype)
 
 
-def _backward(qc, qr, c, r, pos, last, first, o, lse, do, *, scale: float, block_m: int, block_k: int, backend: str):
+def _backward(qc, qr, c, r, pos, last, full, first, o, lse, do, *, scale: float, block_m: int, block_k: int,
+              backend: str):
     """dq_c, dq_r (one kernel over grid (B, row blocks, key blocks)) and dc_kv, dk_r (one over
     (B, key blocks, row blocks)). pos, lse and delta are [B, M, 1] for the first and
     lane-dense [B, 1, M] for the second."""
@@ -229,10 +248,10 @@ def _backward(qc, qr, c, r, pos, last, first, o, lse, do, *, scale: float, block
     blocks = dict(scale=scale, row_blocks=row_blocks, block_k=block_k)
 
     def row_spec(width):
-        return pl.BlockSpec((None, block_m, width), lambda bi, i, j, last_ref: (bi, i, 0))
+        return pl.BlockSpec((None, block_m, width), lambda bi, i, j, *_: (bi, i, 0))
 
     def key_spec(width):  # past the last visible block: hold the last one
-        def key_map(bi, i, j, last_ref):
+        def key_map(bi, i, j, last_ref, full_ref):
             return bi, jnp.minimum(j, jnp.maximum(last_ref[bi * row_blocks + i], 0)), 0
         return pl.BlockSpec((None, block_k, width), key_map)
 
@@ -242,7 +261,7 @@ def _backward(qc, qr, c, r, pos, last, first, o, lse, do, *, scale: float, block
         name="mla_flash_dq",
         dimension_semantics=("parallel", "parallel", "arbitrary"),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=1,
+            num_scalar_prefetch=2,
             grid=(b, row_blocks, key_blocks),
             in_specs=[row_spec(cp), row_spec(rp), key_spec(cp), key_spec(rp), row_spec(1), row_spec(cp),
                       row_spec(1), row_spec(1)],
@@ -250,9 +269,9 @@ def _backward(qc, qr, c, r, pos, last, first, o, lse, do, *, scale: float, block
             scratch_shapes=[pltpu.VMEM((block_m, cp), jnp.float32), pltpu.VMEM((block_m, rp), jnp.float32)],
         ),
         out_shape=[jax.ShapeDtypeStruct(qc.shape, qc.dtype), jax.ShapeDtypeStruct(qr.shape, qr.dtype)],
-    )(last, qc, qr, c, r, pos, do, lse, delta)
+    )(last, full, qc, qr, c, r, pos, do, lse, delta)
 
-    def held_row(bi, j, i, last_ref, first_ref):  # rows that see none of key block j: hold the first that does
+    def held_row(bi, j, i, last_ref, full_ref, first_ref):  # blind to key block j: hold the first that sees it
         return jnp.where(last_ref[bi * row_blocks + i] >= j, i, first_ref[bi * key_blocks + j])
 
     def rows_of(width):
@@ -273,7 +292,7 @@ def _backward(qc, qr, c, r, pos, last, first, o, lse, do, *, scale: float, block
         name="mla_flash_dkv",
         dimension_semantics=("parallel", "parallel", "arbitrary"),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2,
+            num_scalar_prefetch=3,
             grid=(b, key_blocks, row_blocks),
             in_specs=[rows_of(cp), rows_of(rp), keys_of(cp), keys_of(rp), lanes_of(), rows_of(cp), lanes_of(),
                       lanes_of()],
@@ -281,7 +300,7 @@ def _backward(qc, qr, c, r, pos, last, first, o, lse, do, *, scale: float, block
             scratch_shapes=[pltpu.VMEM((block_k, cp), jnp.float32), pltpu.VMEM((block_k, rp), jnp.float32)],
         ),
         out_shape=[jax.ShapeDtypeStruct(c.shape, c.dtype), jax.ShapeDtypeStruct(r.shape, r.dtype)],
-    )(last, first, qc, qr, c, r, dense(pos), do, dense(lse), dense(delta))
+    )(last, full, first, qc, qr, c, r, dense(pos), do, dense(lse), dense(delta))
     return dq_c, dq_r, dc, dr
 
 
@@ -292,34 +311,37 @@ def _attention(scale: float, block_m: int, block_k: int, splits: int, backend: s
     """The custom-VJP op over padded row-major operands for one static configuration."""
     blocks = dict(scale=scale, block_m=block_m, block_k=block_k)
 
-    def forward(qc, qr, c, r, pos, last):
-        o, lse = merge_splits(*_forward(qc, qr, c, r, pos, last, splits=splits, backend=backend, **blocks))
+    def forward(qc, qr, c, r, pos, last, full):
+        o, lse = merge_splits(*_forward(qc, qr, c, r, pos, last, full, splits=splits, backend=backend, **blocks))
         return o.astype(qc.dtype), lse
 
     @jax.custom_vjp
-    def attend(qc, qr, c, r, pos, last, first):
-        return forward(qc, qr, c, r, pos, last)[0]
+    def attend(qc, qr, c, r, pos, last, full, first):
+        return forward(qc, qr, c, r, pos, last, full)[0]
 
-    def fwd(qc, qr, c, r, pos, last, first):
-        o, lse = forward(qc, qr, c, r, pos, last)
-        return o, (qc, qr, c, r, pos, last, first, o, lse)
+    def fwd(qc, qr, c, r, pos, last, full, first):
+        o, lse = forward(qc, qr, c, r, pos, last, full)
+        return o, (qc, qr, c, r, pos, last, full, first, o, lse)
 
     def bwd(res, do):
-        return (*_backward(*res, do, backend=backend, **blocks), None, None, None)
+        return (*_backward(*res, do, backend=backend, **blocks), None, None, None, None)
 
     attend.defvjp(fwd, bwd)
     return attend
 
 
 def _block_tables(pos, block_m: int, block_k: int, key_blocks: int):
-    """From row positions pos [B, M, 1]: last [B * row_blocks], the last key block a row block
-    sees (-1: none), and first [B * key_blocks], the first row block that sees a key block
-    (0: none), flattened for scalar prefetch (SMEM)."""
+    """The visibility of blocks, from the row positions pos [B, M, 1], flattened for scalar
+    prefetch (SMEM): per row block, last [B * row_blocks], the last key block some row sees
+    (-1: none), and full, how many key blocks every row sees whole; per key block, first
+    [B * key_blocks], the first row block that sees it (0: none)."""
     b, m, _ = pos.shape
-    last = jnp.max(pos.reshape(b, m // block_m, block_m), axis=-1) // block_k  # floor: -1 // bk = -1
+    blocked = pos.reshape(b, m // block_m, block_m)
+    last = jnp.max(blocked, axis=-1) // block_k  # floor: -1 // bk = -1
+    full = (jnp.min(blocked, axis=-1) + 1) // block_k
     sees = last[:, None, :] >= jnp.arange(key_blocks)[None, :, None]  # [B, key_blocks, row_blocks]
     first = jnp.argmax(sees, axis=-1)
-    return last.reshape(-1).astype(jnp.int32), first.reshape(-1).astype(jnp.int32)
+    return tuple(x.reshape(-1).astype(jnp.int32) for x in (last, full, first))
 
 
 def mla_attention(q_c, q_r, c_kv, k_r, q_pos, *, scale: float, block_m: int = 256, block_k: int = 512,
@@ -366,7 +388,6 @@ def mla_attention(q_c, q_r, c_kv, k_r, q_pos, *, scale: float, block_m: int = 25
 
     pos = jnp.repeat(jnp.minimum(q_pos.astype(jnp.int32), s - 1), h, axis=1)  # [B, M]
     pos = pad_axis(pos, 1, mp, value=-1)[..., None]  # [B, Mp, 1]
-    last, first = _block_tables(pos, bm, bk, key_blocks)
     op = _attention(float(scale), bm, bk, splits, backend)
-    o = op(rows(q_c, cp), rows(q_r, rp), keys(c_kv, cp), keys(k_r, rp), pos, last, first)
+    o = op(rows(q_c, cp), rows(q_r, rp), keys(c_kv, cp), keys(k_r, rp), pos, *_block_tables(pos, bm, bk, key_blocks))
     return o[:, :m, :c].reshape(b, t, h, c)

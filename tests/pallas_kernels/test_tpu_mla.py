@@ -101,11 +101,17 @@ def test_refuses_what_it_cannot_run():
 @pytest.fixture(scope="module")
 def v5p():
     """A v5p TensorCore to compile for. libtpu holds a lockfile per machine; another process's
-    compile-only client must not keep this one from loading it."""
+    compile-only client must not keep this one from loading it. Executables for a device
+    that is not here cannot be loaded back, so they stay out of the persistent cache."""
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
 
-    return topologies.get_topology_desc("v5p:2x2x1", "tpu").devices[0]
+    cached = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        yield topologies.get_topology_desc("v5p:2x2x1", "tpu").devices[0]
+    finally:
+        jax.config.update("jax_enable_compilation_cache", cached)
 
 
 def _compile_for(device, fn, t, s, b=1, h=16):
