@@ -7,8 +7,6 @@ then compile for a TPU v5p through libtpu (no TPU needed) at GLM-5's latent widt
 is where Mosaic checks the block shapes and the VMEM they take.
 """
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -100,10 +98,8 @@ def test_refuses_what_it_cannot_run():
 
 @pytest.fixture(scope="module")
 def v5p():
-    """A v5p TensorCore to compile for. libtpu holds a lockfile per machine; another process's
-    compile-only client must not keep this one from loading it. Executables for a device
-    that is not here cannot be loaded back, so they stay out of the persistent cache."""
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    """A v5p TensorCore to compile for. Executables for a device that is not here cannot be
+    loaded back, so they stay out of the persistent cache."""
     from jax.experimental import topologies
 
     cached = jax.config.jax_enable_compilation_cache
