@@ -8,8 +8,10 @@ A rule table maps each logical name to a mesh axis, a tuple of axes, or None
 Mesh axes:
   data      pure data parallelism (replicated parameters)
   stage     pipeline stages (glmjax/pipeline.py)
-  fsdp      parameters and optimizer state split over the hidden dimension, and data
-  expert    experts split across devices (explicit all-to-all dispatch, layers/expert_parallel.py)
+  fsdp      parameters and optimizer state split over the hidden dimension (the experts
+            over their E, with `expert`), and data
+  expert    experts split across devices (explicit all-to-all dispatch over expert x fsdp,
+            layers/expert_parallel.py)
   tensor    attention / indexer heads, MLP hidden, vocabulary
   sequence  context parallelism: long sequences split across devices
 
@@ -40,13 +42,15 @@ Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
 DEFAULT_RULES: Rules = (
     # parameters
     ("vocab", "tensor"),
-    # FSDP spans fsdp x expert: expert weights take `expert` on their first axis, so their
-    # hidden dimension gets fsdp alone; every other weight is split over both.
+    # FSDP spans fsdp x expert: every weight's hidden dimension is split over both, except the
+    # experts', which are whole experts split over both (the EP group of
+    # layers/expert_parallel.py, which then gathers no expert weight); where E does not divide
+    # over expert x fsdp they fall back to `expert` and their hidden dimension takes fsdp.
     ("embed", ("fsdp", "expert")),
     ("heads", "tensor"),
     ("index_heads", "tensor"),
     ("mlp", "tensor"),
-    ("experts", "expert"),
+    ("experts", ("expert", "fsdp")),
     ("q_lora", ("fsdp", "expert")),
     ("kv_lora", ("fsdp", "expert")),
     ("head_dim", None),
@@ -68,7 +72,7 @@ DEFAULT_RULES: Rules = (
     ("act_vocab", "tensor"),
 )
 
-# Serving: only the experts (over `expert`) and the per-head / hidden / vocabulary
+# Serving: only the experts (over `expert` x `fsdp`) and the per-head / hidden / vocabulary
 # dimensions (over `tensor`) are split; a decode step then gathers no weight, where
 # FSDP's split of every hidden dimension would gather each layer's weights every step.
 DECODE_RULES: Rules = tuple((name, None if name in ("embed", "q_lora", "kv_lora") else target)

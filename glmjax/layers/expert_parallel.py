@@ -1,20 +1,37 @@
-"""Expert parallelism: experts split over the mesh's `expert` axis, tokens exchanged all-to-all.
+"""Expert parallelism: experts split over the devices that store them, routed copies exchanged all-to-all.
 
-Inside `shard_map`, each device holds its tokens (split over data / fsdp / expert /
-sequence) and E / n_ep experts (and, with a `tensor` axis, a slice of their hidden F):
+The EP group is the mesh axes the sharding rules put on the experts' first dimension
+(by default `expert` and `fsdp` together), so each device of the group holds E / n_ep
+whole experts [D, F] (a slice of F with a `tensor` axis) exactly as they are stored, and
+no call gathers expert weights. Inside `shard_map`, each device holds its tokens (split
+over data / fsdp / expert / sequence) and runs (GShard / DeepSeek-V3 dispatch, with
+MaxText's ragged exchange):
 
-  1. each routed copy of a local token goes to the device that owns its expert: copies
-     are packed into a send buffer [n_ep, capacity, D], in order, with local expert ids;
-  2. all_to_all over `expert` delivers every device the rows for its experts;
-  3. the local experts run as one grouped matmul (layers/gmm.py), partial sums over a
-     split F are added with psum over `tensor`;
-  4. all_to_all back, and each token sums its X results times its routing weights.
+  1. sort its M = n * X routed copies by expert: by destination device, then by local
+     expert; count the copies per (destination, local expert) and all-gather the counts,
+     so every device knows the whole [source, destination, local expert] matrix;
+  2. fit each destination's receive buffer of R rows: every source keeps min(demand, L)
+     copies for it, with the largest level L that fits (max-min fair), dropping the tail
+     of its sorted chunk (the overflow contributes zero);
+  3. exchange: each source's kept chunk lands at its offset in its destination's buffer
+     (`ragged_all_to_all`, which moves only real rows; on XLA:CPU, which lacks it, a padded
+     `all_to_all` with the same result);
+  4. permute the received rows to local-expert order and run the local experts as one
+     grouped matmul over R rows (layers/gmm.py) with their group sizes; partial sums over
+     a split F are added with psum over `tensor`;
+  5. exchange back into each source's send order, unsort, and sum weight * output per token.
 
-With `capacity_factor=None` (the default) the capacity is every local copy, so no token
-is dropped whatever the routing; a capacity factor c bounds the buffer at
-c * copies / n_ep per destination and drops the overflow (the copy contributes zero).
-The exchange is the padded `all_to_all`, which every backend runs (XLA:CPU has no
-`ragged_all_to_all`).
+R = ceil(c * M) for a capacity factor c (about c times the routed-copy FLOPs, which the
+grouped matmul counts by its static row count); c = None sizes R for the worst case
+(every copy of the group on one device, R = n_ep * M) and never drops.
+
+Per device, in the activation dtype: the send and return buffers are M x D, the receive
+buffer and the experts' output R x D, the experts' gate / up / hidden products R x F_l
+each; the counts are n_ep x E int32. XLA:CPU's padded exchange sends and receives
+n_ep x min(M, R) x D each way instead.
+
+Legend: N tokens, X experts per token, D hidden, F expert hidden, M = N * X copies,
+S source devices, T destination devices (both n_ep), J local experts, R receive rows.
 """
 
 from __future__ import annotations
@@ -25,7 +42,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from glmjax.layers.gmm import swiglu_experts
+from glmjax import sharding
+from glmjax.layers.gmm import platform, swiglu_grouped
 
 TOKEN_AXES = ("data", "fsdp", "expert", "sequence")
 
@@ -34,68 +52,139 @@ def _token_axes(mesh) -> tuple[str, ...]:
     return tuple(a for a in TOKEN_AXES if mesh.shape[a] > 1)
 
 
-def enabled(num_experts: int) -> bool:
-    """Whether the ambient mesh splits the experts evenly over its `expert` axis."""
+def ep_axes(num_experts: int) -> tuple[str, ...]:
+    """The mesh axes the ambient rules split `num_experts` experts over (the EP group), in
+    the order of their PartitionSpec; () without a mesh, or when an axis is not a token axis."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or "expert" not in mesh.shape or mesh.shape["expert"] == 1:
-        return False
-    return num_experts % mesh.shape["expert"] == 0
+    if mesh.empty or any(a not in mesh.shape for a in sharding.AXES):
+        return ()
+    spec = sharding.logical_spec(("experts",), (num_experts,), mesh=mesh)[0]
+    axes = () if spec is None else (spec,) if isinstance(spec, str) else tuple(spec)
+    return axes if all(a in TOKEN_AXES for a in axes) else ()
 
 
-def _dispatch_compute_combine(x, experts, weights, gate, up, down, *, capacity_factor, split_hidden):
-    """Per device: x [n, D], experts / weights [n, X], local gate/up [E_l, D, F_l], down [E_l, F_l, D]."""
-    n_ep = jax.lax.axis_size("expert")
-    e_local = gate.shape[0]
+def enabled(num_experts: int) -> bool:
+    """Whether the ambient mesh and rules split the experts over devices that hold distinct tokens."""
+    return bool(ep_axes(num_experts))
+
+
+def receive_rows(copies: int, group: int, capacity_factor: float | None) -> int:
+    """R, the rows each device receives and computes, for `copies` routed copies per device
+    in an EP group of `group` devices: the worst case group * copies without a factor."""
+    worst = group * copies
+    return worst if capacity_factor is None else max(1, min(worst, math.ceil(capacity_factor * copies)))
+
+
+def _exclusive_cumsum(a: jax.Array, axis: int) -> jax.Array:
+    return jnp.cumsum(a, axis=axis) - a
+
+
+def _fair_share(demand: jax.Array, capacity: int) -> jax.Array:
+    """demand [S, T] rows each source has for each destination -> kept [S, T] <= demand with
+    sum_s kept[s, t] <= capacity: kept = min(demand, L_t), L_t the largest level that fits.
+
+    With the demands of a column sorted, d_(0) <= ... <= d_(S-1), filling every source up to
+    d_(i) takes sum_{j<=i} d_(j) + (S-1-i) d_(i) rows; the last d_(i) that fits (or 0) plus
+    an equal split of the remaining rows among the S-1-i sources above it is L_t."""
+    s = demand.shape[0]
+    levels = jnp.concatenate([jnp.zeros_like(demand[:1]), jnp.sort(demand, axis=0)])  # [S+1, T]
+    above = s - jnp.arange(s + 1)[:, None]  # sources with demand above levels[i]
+    filled = jnp.concatenate([jnp.zeros_like(demand[:1]), jnp.cumsum(levels[1:], axis=0)]) + above * levels
+    i = jnp.sum(filled <= capacity, axis=0) - 1  # [T] the last level that fits (levels[0] = 0 always does)
+    pick = lambda a: jnp.take_along_axis(a, i[None], axis=0)[0]  # noqa: E731
+    spare = (capacity - pick(filled)) // jnp.maximum(pick(above), 1)
+    level = pick(levels) + jnp.where(pick(above) > 0, spare, 0)
+    return jnp.minimum(demand, level[None])
+
+
+def _padded_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis_name):
+    """`jax.lax.ragged_all_to_all`'s result through a padded `all_to_all`: every slice is sent
+    in a chunk of min(operand rows, output rows) rows (XLA:CPU has no ragged exchange)."""
+    chunk = min(operand.shape[0], output.shape[0])
+    i = jnp.arange(chunk)
+    rows = operand.at[input_offsets[:, None] + i].get(mode="clip")  # [T, C, D]
+    send = jnp.where((i < send_sizes[:, None])[..., None], rows, 0)
+    recv = jax.lax.all_to_all(send, axis_name, 0, 0)  # [S, C, D]
+    at = jax.lax.all_to_all(output_offsets, axis_name, 0, 0, tiled=True)  # [S] where each source's slice lands here
+    dest = jnp.where(i < recv_sizes[:, None], at[:, None] + i, output.shape[0])  # out of range: not written
+    return output.at[dest.reshape(-1)].set(recv.reshape(-1, recv.shape[-1]), mode="drop")
+
+
+def _dispatch_compute_combine(x, experts, weights, gate, up, down, *, axes, rows, ragged, split_hidden):
+    """Per device: x [n, D], experts / weights [n, X] (expert E marks a padding copy), local
+    gate / up [J, D, F_l], down [J, F_l, D] -> (y [n, D], kept [n, X])."""
+    exchange = jax.lax.ragged_all_to_all if ragged else _padded_ragged_all_to_all
+    n_ep, me = jax.lax.axis_size(axes), jax.lax.axis_index(axes)
+    j_local = gate.shape[0]
     n, k = experts.shape
-    m = n * k
-    flat_e = experts.reshape(-1)
-    dest = flat_e // e_local  # owner device of each copy  [M]
-    rank = jnp.cumsum(jax.nn.one_hot(dest, n_ep, dtype=jnp.int32), axis=0) - 1
-    pos = jnp.take_along_axis(rank, dest[:, None], axis=1)[:, 0]  # order among copies to the same owner
-    cap = m if capacity_factor is None else max(1, math.ceil(m / n_ep * capacity_factor))
-    keep = pos < cap
-    slot = jnp.where(keep, dest * cap + pos, n_ep * cap)  # out of range: dropped
-
-    send_x = jnp.zeros((n_ep * cap, x.shape[-1]), x.dtype).at[slot].set(x[jnp.arange(m) // k], mode="drop")
-    send_e = jnp.full((n_ep * cap,), -1, jnp.int32).at[slot].set(flat_e % e_local, mode="drop")
-    exchange = lambda a: jax.lax.all_to_all(a.reshape(n_ep, cap, *a.shape[1:]), "expert", 0, 0)  # noqa: E731
-    recv_x, recv_e = exchange(send_x), exchange(send_e)
-
-    rows, ids = recv_x.reshape(-1, x.shape[-1]), recv_e.reshape(-1)
-    valid = ids >= 0
-    y = swiglu_experts(rows, jnp.where(valid, ids, 0)[:, None], valid[:, None].astype(rows.dtype), gate, up, down)
+    d = x.shape[-1]
+    flat = experts.reshape(-1)  # [M] global expert of each copy
+    # 1. copies by (destination, local expert); padding copies (expert E) last, never sent
+    order = jnp.argsort(flat, stable=True)
+    send = x[order // k]  # [M, D]
+    counts = jnp.zeros((n_ep * j_local,), jnp.int32).at[flat].add(1, mode="drop").reshape(n_ep, j_local)  # [T, J]
+    all_counts = jax.lax.all_gather(counts, axes)  # [S, T, J]
+    demand = all_counts.sum(-1)  # [S, T]
+    # 2. what fits in each destination's R rows, and where it goes
+    kept = _fair_share(demand, rows)  # [S, T]
+    send_start = _exclusive_cumsum(demand, axis=1)  # [S, T] a chunk's offset in its source's send buffer
+    recv_start = _exclusive_cumsum(kept, axis=0)  # [S, T] a chunk's offset in its destination's receive buffer
+    # 3. exchange
+    recv = exchange(send, jnp.zeros((rows, d), x.dtype), send_start[me], kept[me], recv_start[me], kept[:, me],
+                    axis_name=axes)  # [R, D]
+    # 4. received rows by local expert: the chunks arrive source-major, each sorted by local expert
+    mine = all_counts[:, me]  # [S, J]
+    kept_by_expert = jnp.clip(kept[:, me, None] - _exclusive_cumsum(mine, axis=1), 0, mine)  # [S, J]
+    block = jnp.searchsorted(jnp.cumsum(kept_by_expert.reshape(-1)), jnp.arange(rows), side="right")  # [R]
+    local = jnp.where(block < n_ep * j_local, block % j_local, j_local)  # j_local: an empty row
+    perm = jnp.argsort(local, stable=True)
+    y_sorted = swiglu_grouped(recv[perm], kept_by_expert.sum(0), gate, up, down)  # [R, D]
     if split_hidden:
-        y = jax.lax.psum(y, "tensor")
-    back = exchange(y).reshape(n_ep * cap, -1)
-    copies = jnp.where(keep[:, None], back[jnp.minimum(slot, n_ep * cap - 1)], 0)  # [M, D]
-    return jnp.einsum("NXD,NX->ND", copies.reshape(n, k, -1), weights.astype(copies.dtype))
+        y_sorted = jax.lax.psum(y_sorted, "tensor")
+    y_recv = jnp.zeros_like(y_sorted).at[perm].set(y_sorted)
+    # 5. back to each source, at the offsets it sent from; dropped copies stay zero
+    back = exchange(y_recv, jnp.zeros((n * k, d), y_recv.dtype), recv_start[:, me], kept[:, me], send_start[:, me],
+                    kept[me], axis_name=axes)  # [M, D] in send order
+    copies = jnp.zeros_like(back).at[order].set(back).reshape(n, k, d)
+    dest = jnp.minimum(flat[order] // j_local, n_ep - 1)
+    sent = (flat[order] < n_ep * j_local) & (jnp.arange(n * k) - send_start[me][dest] < kept[me][dest])
+    kept_copy = jnp.zeros((n * k,), bool).at[order].set(sent).reshape(n, k)
+    return jnp.einsum("NXD,NX->ND", copies, weights.astype(copies.dtype)), kept_copy
 
 
 def experts_forward(x, experts, weights, gate, up, down, *, capacity_factor=None):
-    """x [N, D], experts / weights [N, X], gate / up [E, D, F], down [E, F, D] -> [N, D],
-    computed with experts split over the ambient mesh's `expert` axis.
+    """x [N, D], experts / weights [N, X], gate / up [E, D, F], down [E, F, D] ->
+    (y [N, D], kept [N, X]: False for a copy dropped by the capacity), computed with the
+    experts split over the ambient mesh's EP group (`ep_axes`).
 
     N need not divide over the token axes (a decode step of a few rows, a prefill of one
-    sequence): the tokens are padded to a multiple with rows of routing weight 0, which
-    come last on their device, so that a capacity bound drops them before any real copy."""
+    sequence): the tokens are padded to a multiple with copies that are never sent."""
     mesh = jax.sharding.get_abstract_mesh()
-    axes = _token_axes(mesh)
-    n, pad = x.shape[0], -x.shape[0] % math.prod(mesh.shape[a] for a in axes)
+    e = gate.shape[0]
+    axes = ep_axes(e)
+    if not axes:
+        raise ValueError(f"expert parallelism needs a mesh whose rules split the {e} experts over token axes "
+                         f"{TOKEN_AXES}; found mesh {dict(mesh.shape)} with experts split over none")
+    group = math.prod(mesh.shape[a] for a in axes)
+    tokens_axes = _token_axes(mesh)
+    n, pad = x.shape[0], -x.shape[0] % math.prod(mesh.shape[a] for a in tokens_axes)
     if pad:
-        e = gate.shape[0]
-        fill = jnp.arange(pad * experts.shape[1], dtype=experts.dtype).reshape(pad, -1) % e  # spread over experts
         x = jnp.pad(x, ((0, pad), (0, 0)))
-        experts = jnp.concatenate([experts, fill])
+        experts = jnp.pad(experts, ((0, pad), (0, 0)), constant_values=e)
         weights = jnp.pad(weights, ((0, pad), (0, 0)))
-    tokens = P(axes or None, None)
+    copies = x.shape[0] // math.prod(mesh.shape[a] for a in tokens_axes) * experts.shape[1]
+    tokens = P(tokens_axes or None, None)
     f = gate.shape[-1]
     split_hidden = mesh.shape["tensor"] > 1 and f % mesh.shape["tensor"] == 0
     hidden = "tensor" if split_hidden else None
+    owner = axes[0] if len(axes) == 1 else axes
     fn = jax.shard_map(
-        lambda *a: _dispatch_compute_combine(*a, capacity_factor=capacity_factor, split_hidden=split_hidden),
-        in_specs=(tokens, tokens, tokens, P("expert", None, hidden), P("expert", None, hidden),
-                  P("expert", hidden, None)),
-        out_specs=tokens,
+        lambda *a: _dispatch_compute_combine(
+            *a, axes=axes, rows=receive_rows(copies, group, capacity_factor), ragged=platform() != "cpu",
+            split_hidden=split_hidden),
+        in_specs=(tokens, tokens, tokens, P(owner, None, hidden), P(owner, None, hidden), P(owner, hidden, None)),
+        out_specs=(tokens, tokens),
         check_vma=False,
     )
-    return fn(x, experts, weights, gate, up, down)[:n]
+    y, kept = fn(x, experts, weights, gate, up, down)
+    return y[:n], kept[:n]

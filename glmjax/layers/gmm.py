@@ -6,6 +6,9 @@ the rows are laid out in fixed-size tiles instead, each tile holding rows of one
 only (groups padded up to a tile multiple), and each tile is multiplied by its expert's
 weights. Exact, no dropped rows; padding costs at most E - 1 tiles.
 
+The choice follows the platform of the ambient mesh's devices (the default backend
+without a mesh), so a program compiled on a CPU host for a TPU mesh gets ragged_dot.
+
 The forward runs the tiles in a loop: each tile takes its own expert's weights (a dynamic
 slice, which XLA:CPU copies before the matmul), and tiles past the last group are skipped. The backward runs every tile at once, its weights
 gathered to [tiles, D, F] and the weight gradients summed back per expert: there the loop
@@ -36,9 +39,18 @@ def tile_size(rows: int, groups: int) -> int:
     return int(min(128, 1 << (mean.bit_length() - 1)))
 
 
+def platform() -> str:
+    """The platform the ambient mesh's devices run on ("cpu", "gpu", "tpu"); the default
+    backend without a mesh."""
+    mesh = jax.sharding.get_abstract_mesh()
+    device = None if mesh.empty else mesh.abstract_device
+    return jax.default_backend() if device is None else device.platform
+
+
 class TiledLayout:
     """Where each sorted row goes in the tiled layout, computed once per routing and shared
-    by the three expert matmuls."""
+    by the three expert matmuls. Rows past sum(group_sizes) belong to no group: they get no
+    tile and read back as zeros."""
 
     def __init__(self, group_sizes: jax.Array, rows: int, tile: int):
         groups = group_sizes.shape[0]
@@ -47,8 +59,10 @@ class TiledLayout:
         pad_end = jnp.cumsum(padded)
         pad_start = pad_end - padded
         group_of_row = jnp.repeat(jnp.arange(groups), group_sizes, total_repeat_length=rows)
-        self.dest = (pad_start[group_of_row] + jnp.arange(rows) - start[group_of_row]).astype(jnp.int32)
         self.num_tiles = -(-(rows + groups * (tile - 1)) // tile)  # static upper bound
+        dest = pad_start[group_of_row] + jnp.arange(rows) - start[group_of_row]
+        in_group = jnp.arange(rows) < jnp.sum(group_sizes)
+        self.dest = jnp.where(in_group, dest, self.num_tiles * tile).astype(jnp.int32)  # out of range: no tile
         tile_starts = jnp.arange(self.num_tiles) * tile
         self.tile_group = jnp.minimum(jnp.searchsorted(pad_end, tile_starts, side="right"), groups - 1)
         self.tile_used = tile_starts < pad_end[-1]  # [n] False for the tiles past the last group
@@ -56,12 +70,12 @@ class TiledLayout:
 
     def scatter(self, x: jax.Array) -> jax.Array:
         """[M, D] sorted rows -> [num_tiles, tile, D] (padding rows are zero)."""
-        out = jnp.zeros((self.num_tiles * self.tile, x.shape[-1]), x.dtype).at[self.dest].set(x)
+        out = jnp.zeros((self.num_tiles * self.tile, x.shape[-1]), x.dtype).at[self.dest].set(x, mode="drop")
         return out.reshape(self.num_tiles, self.tile, x.shape[-1])
 
     def gather(self, y: jax.Array) -> jax.Array:
-        """[num_tiles, tile, F] -> [M, F] in sorted-row order."""
-        return y.reshape(-1, y.shape[-1])[self.dest]
+        """[num_tiles, tile, F] -> [M, F] in sorted-row order (zeros for rows in no group)."""
+        return y.reshape(-1, y.shape[-1]).at[self.dest].get(mode="fill", fill_value=0)
 
 
 def _expert_products(x, gate, up, down):
@@ -130,34 +144,42 @@ def _swiglu_tiles_bwd(res, dy):
 _swiglu_tiles.defvjp(_swiglu_tiles_fwd, _swiglu_tiles_bwd)
 
 
+def swiglu_grouped(xs, group_sizes, gate, up, down):
+    """Rows sorted by expert through their expert: row r of group e -> down_e(silu(x_r gate_e) * (x_r up_e)).
+
+    xs [M, D]; group_sizes [E] int32 with sum <= M (rows past the sum give zeros); gate,
+    up [E, D, F]; down [E, F, D], in any stored dtype (or anything with `[e]` and `.astype`,
+    such as rl/engine/quant.py's Quantized); the products run in xs's dtype. Returns [M, D].
+    """
+    if platform() != "cpu":
+        gate, up, down = (w.astype(xs.dtype) for w in (gate, up, down))
+        h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, group_sizes)) * jax.lax.ragged_dot(xs, up, group_sizes)
+        ys = jax.lax.ragged_dot(h, down, group_sizes)
+        return jnp.where((jnp.arange(xs.shape[0]) < jnp.sum(group_sizes))[:, None], ys, 0)
+    layout = TiledLayout(group_sizes, xs.shape[0], tile_size(xs.shape[0], group_sizes.shape[0]))
+    args = (layout.scatter(xs), layout.tile_group, layout.tile_used, gate, up, down)
+    arrays = all(isinstance(w, jax.Array) for w in (gate, up, down))
+    if not arrays:  # quantized weights (inference only): the loop, dequantizing one expert at a time
+        y_tiles = _tile_loop(_outputs, *args)
+    elif layout.tile >= BATCHED_TILE and layout.tile * gate.shape[1] * gate.shape[2] < LOOP_TILE_MACS:
+        y_tiles = _swiglu_batched(args[0], layout.tile_group, gate, up, down)  # small experts, many rows
+    else:
+        y_tiles = _swiglu_tiles(*args)
+    return layout.gather(y_tiles)
+
+
 @jit_when_eager  # an eager call compiles the tile scan once per shape, not at every call
 def swiglu_experts(x, experts, weights, gate, up, down):
     """sum_x weights[n, x] * down_e(silu(x_n gate_e) * (x_n up_e)) with e = experts[n, x].
 
-    x [N, D]; experts, weights [N, X]; gate, up [E, D, F]; down [E, F, D], in any stored
-    dtype (or anything with `[e]` and `.astype`, such as rl/engine/quant.py's Quantized); the
-    products run in x's dtype. Returns [N, D].
+    x [N, D]; experts, weights [N, X]; gate, up [E, D, F]; down [E, F, D], as in
+    `swiglu_grouped`. Returns [N, D].
     """
     n, k = experts.shape
     e = gate.shape[0]
     flat = experts.reshape(-1)  # [N*X] token copies, grouped by expert below
     order = jnp.argsort(flat, stable=True)
-    xs = x[order // k]
     sizes = jnp.zeros((e,), jnp.int32).at[flat].add(1)
-    if jax.default_backend() != "cpu":
-        gate, up, down = (w.astype(x.dtype) for w in (gate, up, down))
-        h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, sizes)) * jax.lax.ragged_dot(xs, up, sizes)
-        ys = jax.lax.ragged_dot(h, down, sizes)
-    else:
-        layout = TiledLayout(sizes, xs.shape[0], tile_size(xs.shape[0], e))
-        args = (layout.scatter(xs), layout.tile_group, layout.tile_used, gate, up, down)
-        arrays = all(isinstance(w, jax.Array) for w in (gate, up, down))
-        if not arrays:  # quantized weights (inference only): the loop, dequantizing one expert at a time
-            y_tiles = _tile_loop(_outputs, *args)
-        elif layout.tile >= BATCHED_TILE and layout.tile * gate.shape[1] * gate.shape[2] < LOOP_TILE_MACS:
-            y_tiles = _swiglu_batched(args[0], layout.tile_group, gate, up, down)  # small experts, many rows
-        else:
-            y_tiles = _swiglu_tiles(*args)
-        ys = layout.gather(y_tiles)
+    ys = swiglu_grouped(x[order // k], sizes, gate, up, down)
     y = jnp.zeros_like(ys).at[order].set(ys).reshape(n, k, -1)  # back to token order
     return jnp.einsum("NXD,NX->ND", y, weights.astype(y.dtype))

@@ -9,7 +9,10 @@ Routing, per token (aux-loss-free load balancing, arXiv 2408.15664):
   5. y = sum_x weight_x * SwiGLU_{e_x}(x) + SharedExpert(x)   (the shared expert has no gate)
 
 The experts run as one grouped matmul (layers/gmm.py) over the token copies sorted by
-expert: no capacity, no dropped tokens, and no [N, E] dense compute.
+expert: no capacity, no dropped tokens, and no [N, E] dense compute. On a mesh whose rules
+split the experts over devices, the copies are exchanged with the experts' owners instead
+(layers/expert_parallel.py); there `moe_capacity_factor` bounds each device's received
+copies and drops the overflow.
 """
 
 from __future__ import annotations
@@ -114,7 +117,7 @@ class MoE(nnx.Module):
         routing = self.router(flat)
         if expert_parallel.enabled(self.config.n_routed_experts):
             ex, dt = self.experts, x.dtype
-            y = expert_parallel.experts_forward(
+            y, _ = expert_parallel.experts_forward(  # the kept mask: layers/expert_parallel.py
                 flat, routing.experts, routing.weights, ex.gate[...].astype(dt), ex.up[...].astype(dt),
                 ex.down[...].astype(dt), capacity_factor=self.config.moe_capacity_factor)
         else:
