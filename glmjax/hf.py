@@ -388,6 +388,7 @@ def from_pretrained(
     kernel_impl: str = "xla",
     scan_layers: bool = False,
     remat: str = "none",
+    moe_capacity_factor: float | None = None,
 ) -> GlmForCausalLM:
     """Loads an HF GLM-5 / DeepSeek-V3.2 checkpoint directory (config.json + safetensors).
 
@@ -396,13 +397,14 @@ def from_pretrained(
     checkpoint has `model.layers.{num_hidden_layers}.*`; a checkpoint without it (as
     transformers writes them) gives a model without MTP. With a mesh, each parameter is
     placed in the sharding the logical rules give it (`sharding.current_rules()`), and
-    each process reads only the slices its devices hold. scan_layers / remat: how the model
-    runs (ModelConfig); scanned, each layer's tensors fill one row of its group's stacks.
+    each process reads only the slices its devices hold. scan_layers, remat,
+    moe_capacity_factor: how the model runs (ModelConfig); scanned, each layer's tensors
+    fill one row of its group's stacks.
     """
     path = os.fspath(path)
     reader = Reader(path)
     config = ModelConfig.from_hf(path, dtype=dtype, param_dtype=dtype, kernel_impl=kernel_impl,
-                                 scan_layers=scan_layers, remat=remat)
+                                 scan_layers=scan_layers, remat=remat, moe_capacity_factor=moe_capacity_factor)
     mtp_names = {n for n in reader.names() if n.startswith(_mtp_prefix(config))}
     if not mtp_names and config.num_nextn_predict_layers:
         log.warning("%s has no MTP tensors (%s*): loading the model without its MTP layer", path,

@@ -29,7 +29,7 @@ from glmjax.layers.mla import Context
 from glmjax.layers.mtp import MTP
 from glmjax.layers.norms import RMSNorm
 from glmjax.layers.rope import rope_tables
-from glmjax.layers.stack import Segment, run_layer
+from glmjax.layers.stack import Segment, layer_params, run_layer
 from glmjax.sharding import Rules, constrain, param_shardings
 
 
@@ -152,6 +152,13 @@ class GlmForCausalLM(nnx.Module):
             if out.expert_loads is not None:
                 loads.append(out.expert_loads)
         return x, topk, new_layers, losses, loads
+
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """Every decoder layer in order; a scanned model's as copies sliced out of its stacks
+        (for reading: evaluation, inspection)."""
+        if self.segments is None:
+            return list(self.layers)
+        return [layer_params(s, r, j) for s in self.segments for r in range(s.repeats) for j in range(s.period)]
 
     def mtp_forward(self, hidden, next_ids, *, positions=None, cache=None, lengths=None,
                     context: Context | None = None) -> MTPOutput:

@@ -77,6 +77,9 @@ class Pipeline:
 
     def __init__(self, model: GlmForCausalLM, mesh: Mesh, num_microbatches: int):
         n = mesh.shape["stage"]
+        if model.segments is not None:
+            raise ValueError("pipeline stages split the looped layers: build the model with "
+                             "ModelConfig.scan_layers=False")
         bounds = np.array_split(np.arange(model.config.num_hidden_layers), n)
         if any(len(b) == 0 for b in bounds):
             raise ValueError(f"{n} stages need at least {n} layers, the model has {model.config.num_hidden_layers}")

@@ -288,7 +288,7 @@ def indexer_topk_recall(model: GlmForCausalLM, input_ids: jax.Array) -> TopkReca
     rows = (q_pos + 1 > c.index_topk).astype(jnp.float32)  # [B, T]
     mean = lambda v: jnp.sum(v * rows) / jnp.maximum(rows.sum(), 1.0)  # noqa: E731
     out = []
-    for layer in model.layers:
+    for layer in model.decoder_layers():
         if layer.attn.indexer is not None:
             p, scores = _attention_and_index_scores(layer.attn, layer.input_norm(x), cos, sin, q_pos)
             idx = reference.select_topk(scores, c.index_topk)  # [B, T, P]

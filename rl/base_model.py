@@ -133,7 +133,9 @@ def build_base(cfg, workdir: str, demo_tasks=(), mesh=None) -> glmjax.GlmForCaus
 def load_checkpoint(path: str, model_config, mesh=None) -> glmjax.GlmForCausalLM:
     """A Hugging Face checkpoint as the job's model, in `model_config`'s dtype and kernels
     (the job's config was read from its config.json), sharded by the ambient rules with a mesh."""
-    return glmjax.from_pretrained(path, dtype=model_config.dtype, mesh=mesh, kernel_impl=model_config.kernel_impl)
+    return glmjax.from_pretrained(path, dtype=model_config.dtype, mesh=mesh, kernel_impl=model_config.kernel_impl,
+                                  scan_layers=model_config.scan_layers, remat=model_config.remat,
+                                  moe_capacity_factor=model_config.moe_capacity_factor)
 
 
 def supervised(model: glmjax.GlmForCausalLM, ids, mask, sft: BaseConfig, desc: str = "SFT",

@@ -362,7 +362,7 @@ class EvalConfig:
         return [int(k) for k in str(self.ks).split(",") if k.strip()]
 
 
-RUNTIME_FIELDS = ("dtype", "param_dtype", "kernel_impl")
+RUNTIME_FIELDS = ("dtype", "param_dtype", "kernel_impl", "moe_capacity_factor", "scan_layers", "remat")
 
 
 def _model(cfg, checkpoint: str = "") -> ModelConfig:
