@@ -1,4 +1,4 @@
-"""Sparse MLA (DSA) as Mosaic kernels: absorbed attention over each query's gathered top-k
+"""Sparse MLA (DeepSeek-V3.2's DSA) as Mosaic kernels: absorbed attention over each query's gathered top-k
 latent rows, forward and backward.
 
 Reference: `reference.sparse_mla_attention`. Query t selected P keys (topk_idx, -1 =
@@ -9,9 +9,9 @@ of [c_kv | k_rope], an MQA softmax in fp32:
 
 Gather. topk_idx and q_pos are read as scalars from SMEM; every valid selected row is one
 DMA from the HBM arrays (`memory_space=pl.ANY`) into a VMEM buffer, double-buffered: the
-rows of the next block of block_p slots load while the MXU works on this one. Mosaic
-slices VMEM only at whole (8, 128) tiles and a bf16 row is half a packed sublane, so the
-latents travel as 32-bit words (two bf16 columns a word, `_words`) and are unpacked in
+rows of the next block of block_p slots load while the MXU works on this one. A DMA may
+land in VMEM only at a tile-aligned or static row of an (8, 128) tile, which a bf16 row
+(half of a packed sublane) never is, so the latents travel as 32-bit words (two bf16 columns a word, `_words`) and are unpacked in
 VMEM; the kernels therefore see the even columns and the odd columns of C and R as
 separate "parts", and q / o / dq are split the same way outside. Slots that are empty or
 invisible issue no DMA; their scores are masked to exp = 0, and their buffer rows are
@@ -257,11 +257,12 @@ def _backward_kernel(idx_s, pos_s, qc_ref, qr_ref, do_ref, lse_ref, delta_ref, i
 
 @functools.lru_cache(maxsize=None)
 def _attention(scale: float, block_t: int, block_p: int, backend: str):
-    """The custom-VJP op on prepared operands: q parts [B, Tp, n, H, W], word latents
-    [B, S, W], idx [B, Tp, Pp] (Pp a multiple of block_p), pos [B, Tp]."""
+    """The custom-VJP op on prepared operands: q parts [B, Tp, n, H, C/n] and [B, Tp, n, H, R/n],
+    c_kv [B, S, C], k_r [B, S, R], idx [B, Tp, Pp] (Pp a multiple of block_p), pos [B, Tp, 1]."""
 
-    def specs(qc, qr, c, idx, *per_query):
-        """Scalar-prefetch-free specs on grid (b, query block): SMEM idx and pos, VMEM blocks."""
+    def specs(qc, qr, idx, *per_query):
+        """In-specs on grid (b, query block): idx and pos in SMEM (the DMAs' addresses), the
+        per-query blocks, idx in VMEM (the score masks)."""
         tokens = lambda x: pl.BlockSpec((None, block_t) + x.shape[2:], lambda b, i: (b, i) + (0,) * (x.ndim - 2))  # noqa: E731
         smem = [pl.BlockSpec((None, block_t, idx.shape[-1]), lambda b, i: (b, i, 0), memory_space=pltpu.SMEM),
                 pl.BlockSpec((None, block_t, 1), lambda b, i: (b, i, 0), memory_space=pltpu.SMEM)]
@@ -276,7 +277,7 @@ def _attention(scale: float, block_t: int, block_p: int, backend: str):
     def forward(qc, qr, c_kv, k_r, idx, pos):
         b, tp, n, h, _ = qc.shape
         c, r = _words(c_kv), _words(k_r)
-        in_specs, tokens = specs(qc, qr, c, idx)
+        in_specs, tokens = specs(qc, qr, idx)
         lse = jax.ShapeDtypeStruct((b, tp, h, 1), jnp.float32)
         return call(
             functools.partial(_forward_kernel, scale=scale, n=n), backend=backend,
@@ -289,12 +290,12 @@ def _attention(scale: float, block_t: int, block_p: int, backend: str):
         )(idx, pos, qc, qr, _chunked(idx, block_p), c, r)
 
     @jax.custom_vjp
-    def attend(qc, qr, c, r, idx, pos):
-        return forward(qc, qr, c, r, idx, pos)[0]
+    def attend(qc, qr, c_kv, k_r, idx, pos):
+        return forward(qc, qr, c_kv, k_r, idx, pos)[0]
 
-    def attend_fwd(qc, qr, c, r, idx, pos):
-        o, lse = forward(qc, qr, c, r, idx, pos)
-        return o, (qc, qr, c, r, idx, pos, o, lse)
+    def attend_fwd(qc, qr, c_kv, k_r, idx, pos):
+        o, lse = forward(qc, qr, c_kv, k_r, idx, pos)
+        return o, (qc, qr, c_kv, k_r, idx, pos, o, lse)
 
     def attend_bwd(res, do):
         qc, qr, c_kv, k_r, idx, pos, o, lse = res
@@ -304,7 +305,7 @@ def _attention(scale: float, block_t: int, block_p: int, backend: str):
         delta = jnp.einsum("BTnHW,BTnHW->BTH", o.astype(jnp.float32), do.astype(jnp.float32))[..., None]
         dc0 = jnp.zeros((b, n, s, c.shape[-1]), jnp.float32)
         dr0 = jnp.zeros((b, n, s, r.shape[-1]), jnp.float32)
-        in_specs, tokens = specs(qc, qr, c, idx, do, lse, delta)
+        in_specs, tokens = specs(qc, qr, idx, do, lse, delta)
         acc = lambda x: pltpu.VMEM((n, block_p // SUBLANES, SUBLANES, x.shape[-1]), jnp.float32)  # noqa: E731
         hbm = pl.BlockSpec(memory_space=pl.ANY)
         # idx_s, pos_s, qc, qr, do, lse, delta, idx_v, c, r, dc0, dr0: the accumulators are inputs 10, 11.

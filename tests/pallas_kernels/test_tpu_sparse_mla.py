@@ -13,6 +13,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from pallas_kernels import pallas_ops, reference
 from pallas_kernels.tpu import sparse_mla
@@ -54,12 +55,17 @@ def test_forward_and_gradients_match_reference():
         np.testing.assert_allclose(np.asarray(got), np.asarray(expected), **TOL)
 
 
-def test_ops_dispatch_to_the_mosaic_kernel_on_tpu_interpret():
-    t, s, p = 1, 24, 8  # one decode step
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, TOL), (jnp.bfloat16, dict(atol=2e-2, rtol=2e-2))])
+def test_ops_dispatch_to_the_mosaic_kernel_on_tpu_interpret(dtype, tol):
+    """One decode step through pallas_ops. In bf16 the latents travel as packed words (two
+    columns a word): a swapped unpacking would be off by O(1), bf16 rounding by ~1e-2."""
+    t, s, p = 1, 24, 8
     latents, pos, idx = _inputs(t, s, p)
+    latents = [x.astype(dtype) for x in latents]
     out = pallas_ops.OPS["sparse_mla_attention"](*latents, pos, idx, scale=SCALE, backend="tpu-interpret")
-    np.testing.assert_allclose(np.asarray(out), np.asarray(reference.sparse_mla_attention(
-        *latents, pos, idx, scale=SCALE)), **TOL)
+    want = reference.sparse_mla_attention(*latents, pos, idx, scale=SCALE)
+    assert out.dtype == dtype
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32), **tol)
 
 
 def test_forward_and_backward_compile_for_tpu_v5p():
