@@ -57,5 +57,6 @@ setup(
         "gpu": [f"jax[cuda12]=={JAX_VERSION}"],
         "tpu": [f"jax[tpu]=={JAX_VERSION}"],
     },
-    entry_points={"console_scripts": ["glmjax-train=rl.cli:main", "glmjax-serve=rl.engine.cli:main", "glmjax-envs=envs.cli:main"]},
+    entry_points={"console_scripts": ["glmjax-train=rl.cli:main", "glmjax-serve=rl.engine.cli:main", "glmjax-envs=envs.cli:main",
+                                        "glmjax-aot=glmjax.aot:main"]},
 )

@@ -1,11 +1,16 @@
 """GLM-5 (zai-org/GLM-5): 744B-total MoE, MLA, DeepSeek sparse attention on every layer, one MTP layer.
 
 Every architecture field is written out, so this file is the reference for the numbers.
-Used to import / export the checkpoint and for full-size shape checks:
+It is a model preset, not a job: it has only a `model` section, which job configs load
+(configs/glm53.py on top of it, and configs/glm53_sao.py, the full-size SAO job, on top of
+that), as do the checkpoint import / export and the full-size shape checks:
 
-    glmjax-train --config configs/glm5.py --workdir /path/to/workdir
+    glmjax-aot --config configs/glm53_sao.py --topology v5p:8x8x4 --json /tmp/aot.json
+    python -m glmjax.plan --config configs/glm5.py --mesh fsdp=64,expert=4 --device-memory-gb 95
     python -c "from glmjax.presets import load_config, model_config_from; \
         print(model_config_from(load_config('configs/glm5.py')))"
+
+`glmjax-train --config configs/glm5.py` stops with an error that names those job configs.
 """
 
 import ml_collections

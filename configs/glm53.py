@@ -4,7 +4,11 @@ IndexShare runs the lightning indexer on layers 0, 1, 2 and every 4th layer afte
 (6, 10, ..., 74: 21 of 78); the other layers reuse the top-k of the nearest earlier full
 layer. Everything else is `configs/glm5.py`, loaded from beside this file.
 
-    glmjax-train --config configs/glm53.py --workdir /path/to/workdir
+A model preset, not a job (`glmjax-train` stops on it, naming the job configs): the SAO
+job configs/glm53_sao.py loads it, and the memory plan reads it:
+
+    glmjax-aot --config configs/glm53_sao.py --topology v5p:8x8x4 --json /tmp/aot.json
+    python -m glmjax.plan --config configs/glm53.py --devices 256 --device-memory-gb 95 --search
 """
 
 import os

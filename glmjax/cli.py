@@ -41,12 +41,12 @@ def make_parser(description: str = __doc__.splitlines()[0]) -> argparse.Argument
     return parser
 
 
-def job_config(parser: argparse.ArgumentParser, argv=None, check=None):
+def load_job(parser: argparse.ArgumentParser, argv=None, check=None):
     """(config, args) from a command line, or `parser.error` (exit status 2) naming the
     argument, file or field that is wrong: a missing config file, a get_config that rejects
     its `path:arg`, an unknown or ill-typed override, a model field ModelConfig rejects, a
-    ValueError from `check(config)` (the job's own checks), a workdir that is a file or
-    cannot be created. The workdir is created only once all of that passes."""
+    ValueError from `check(config)` (the job's own checks). Touches no file: `job_config`
+    adds the workdir; `glmjax-aot` (glmjax/aot.py) needs none."""
     args, overrides = parser.parse_known_args(argv)
     bad = [o for o in overrides if not (o.startswith("--config.") and "=" in o)]
     if bad:
@@ -67,6 +67,14 @@ def job_config(parser: argparse.ArgumentParser, argv=None, check=None):
             check(cfg)
     except (TypeError, ValueError) as err:
         parser.error(f"--config {args.config}: {err}")
+    args.overrides = overrides
+    return cfg, args
+
+
+def job_config(parser: argparse.ArgumentParser, argv=None, check=None):
+    """`load_job`'s (config, args), and the workdir: `parser.error` when it is a file or
+    cannot be created; it is created only once the config passes."""
+    cfg, args = load_job(parser, argv, check)
     if os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
         parser.error(f"--workdir {args.workdir} is a file, not a directory")
     try:
