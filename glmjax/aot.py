@@ -176,21 +176,12 @@ def learner_programs(job, layout: Layout):
     critic, reference and optimizer states; and the persistent bytes per device."""
     from rl import learner as rl_learner
 
-    rl, c = job.rl, job.model
+    rl = job.rl
     mesh, rules = layout.mesh, layout.rules
-
-    def build():
-        policy = GlmForCausalLM(c, rngs=nnx.Rngs(params=0))
-        critic = rl_learner.ValueModel(nnx.clone(policy)) if rl.uses_critic else None
-        learner = rl_learner.Learner(policy, critic, rl)
-        return (policy, learner.actor_opt, learner.reference, learner.critic, learner.critic_opt, learner.mtp_opt)
-
     with sharding.use_mesh(mesh, rules):
-        (policy, actor_opt, reference, critic, critic_opt, mtp_opt), persistent = _place(nnx.eval_shape(build), mesh,
-                                                                                          rules)
-    rows = rl.batch_size * (rl.compaction.max_segments if rl.compaction.enabled else 1)
-    rows += rl.replay.rows if rl.replay.enabled else 0
-    batch = learner_batch(rows, job.task.max_len, mesh, rules)
+        (policy, actor_opt, reference, critic, critic_opt, mtp_opt), persistent = _place(plan.learner_objects(job),
+                                                                                          mesh, rules)
+    batch = learner_batch(_learner_rows(job), job.task.max_len, mesh, rules)
     weights = batch.logp_rollout
     bytes_of = lambda *objs: per_device_bytes([nnx.state(o) for o in objs if o is not None])  # noqa: E731
     programs = []
@@ -344,9 +335,7 @@ def analytic_flops(job, role: str, devices: int, prefill: tuple[int, int] = (1, 
     c, rl, task = job.model, job.rl, job.task
     remat = 1.0 if getattr(c, "remat", "none") == "full" else 0.0
     if role == "learner_step":
-        rows = rl.batch_size * (rl.compaction.max_segments if rl.compaction.enabled else 1)
-        rows += rl.replay.rows if rl.replay.enabled else 0
-        tokens, t = rows * task.max_len, task.max_len
+        tokens, t = _learner_rows(job) * task.max_len, task.max_len
         trained, indexer = forward_flops(c, tokens, t)
         head = 2.0 * c.hidden_size * c.vocab_size * tokens
         total = (3 + remat) * trained + (1 + remat) * indexer
