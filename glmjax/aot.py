@@ -379,8 +379,13 @@ def captured_stderr():
 def compile_program(program: Program) -> dict:
     """Lowers and compiles one program; its memory and cost analyses per device."""
     start = time.perf_counter()
-    with captured_stderr() as log:
-        compiled = program.lower().compile()
+    try:
+        with captured_stderr() as log:
+            compiled = program.lower().compile()
+    except jax.errors.JaxRuntimeError as err:  # libtpu refuses a program over the chip's HBM
+        if "RESOURCE_EXHAUSTED" not in str(err):
+            raise
+        return _refused(program, str(err), time.perf_counter() - start, log[0] if log else "")
     seconds = time.perf_counter() - start
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
@@ -393,6 +398,23 @@ def compile_program(program: Program) -> dict:
             "flops_per_device": float(cost.get("flops", 0.0)),
             "bytes_accessed_per_device": float(cost.get("bytes accessed", 0.0)), "compile_seconds": seconds,
             "spmd_warnings": log[0].count(REMAT_WARNING)}
+
+
+_UNITS = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+
+
+def _refused(program: Program, message: str, seconds: float, log: str) -> dict:
+    """A program the compiler refused for want of HBM: its temporaries as the message gives
+    them (e.g. "HLO temporaries (3.58T)"), no cost analysis."""
+    import re
+
+    found = re.search(r"temporaries \(([0-9.]+)([KMGT])\)", message)
+    temp = int(float(found.group(1)) * _UNITS[found.group(2)]) if found else 0
+    return {"name": program.name, "bytes_per_device": temp + int(program.persistent_args), "argument_bytes": 0,
+            "output_bytes": 0, "temp_bytes": temp, "alias_bytes": 0,
+            "persistent_argument_bytes": int(program.persistent_args), "flops_per_device": 0.0,
+            "bytes_accessed_per_device": 0.0, "compile_seconds": seconds, "spmd_warnings": log.count(REMAT_WARNING),
+            "compile_error": message.strip().splitlines()[0][:500]}
 
 
 def combine(steps: list[dict], persistent: int) -> dict:
