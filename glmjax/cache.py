@@ -7,7 +7,7 @@ A scanned model (`config.scan_layers`, glmjax/layers/stack.py) keeps its cache t
 keeps its parameters: `layers` holds per segment one LayerCache per position of the
 segment's layer group, each array stacked over the repeats, [R, B, S, .]. In either layout
 a cached array's batch axis is its third from last (`ROW_AXIS`), so rows are moved
-between caches (`KVCache.concatenate`, `KVCache.put_rows`) the same way.
+between caches (`concatenate`, `rows`, `with_rows`, `put_rows`) the same way.
 """
 
 from __future__ import annotations
@@ -118,6 +118,15 @@ class KVCache(NamedTuple):
     def concatenate(caches: list["KVCache"]) -> "KVCache":
         """The rows of several caches of one layout, in order."""
         return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=_row_axis(xs[0])), *caches)
+
+    def rows(self, start, size: int) -> "KVCache":
+        """Rows [start, start + size) (start may be traced)."""
+        return jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, start, size, _row_axis(x)), self)
+
+    def with_rows(self, start, part: "KVCache") -> "KVCache":
+        """This cache with rows [start, start + part's rows) replaced by part's."""
+        return jax.tree.map(lambda x, p: jax.lax.dynamic_update_slice_in_dim(x, p.astype(x.dtype), start, _row_axis(x)),
+                            self, part)
 
     def put_rows(self, rows: jax.Array, src: "KVCache") -> "KVCache":
         """This cache with src's row i written into row rows[i] (rows out of range: dropped)."""

@@ -58,6 +58,7 @@ DEFAULT_RULES: Rules = (
     ("router", None),
     ("norm", None),
     ("layers", "stage"),
+    ("layer_stack", None),  # the repeats of a scanned layer group (glmjax/layers/stack.py): each device all
     # the decode state (rl/engine/engine.py) and its KV cache (glmjax/cache.py): the slots split
     # like a batch; every slot's whole latent and length on the devices that hold it (MLA
     # decode reads all of a token's latent)

@@ -137,11 +137,28 @@ def update_correction_biases(model, expert_load: jax.Array, rate: float) -> None
     more. expert_load [L_moe, E] is the model output's per-layer count of routed copies.
     Updates the RouterBias variables in place (outside any gradient).
     """
-    routers = [layer.mlp.router for layer in model.layers if isinstance(layer.mlp, MoE)]
-    if len(routers) != expert_load.shape[0]:
-        raise ValueError(f"expert_load has {expert_load.shape[0]} rows, the model has {len(routers)} MoE layers")
+    biases = router_biases(model)
+    rows = sum(len(r) for _, r in biases)
+    if rows != expert_load.shape[0]:
+        raise ValueError(f"expert_load has {expert_load.shape[0]} rows, the model has {rows} MoE layers")
     load = expert_load.astype(jnp.float32)
     step = rate * jnp.sign(load.mean(axis=-1, keepdims=True) - load)
-    for router, delta in zip(routers, step):
-        bias = router.e_score_correction_bias
-        bias.set_value(bias[...] + delta)
+    for bias, index in biases:
+        delta = step[jnp.asarray(index)]  # [R, E]
+        bias.set_value(bias[...] + (delta if bias.ndim == 2 else delta[0]))
+
+
+def router_biases(model) -> list[tuple[RouterBias, list[int]]]:
+    """Each MoE layer's correction bias with its rows of the model's expert_load [L_moe, E]:
+    one row for a looped layer's bias [E]; R rows for a scanned group position's stacked
+    bias [R, E] (the load's rows are in layer order: repeat-major, then position)."""
+    if model.segments is None:
+        routers = [layer.mlp.router for layer in model.layers if isinstance(layer.mlp, MoE)]
+        return [(router.e_score_correction_bias, [i]) for i, router in enumerate(routers)]
+    out, start = [], 0
+    for segment in model.segments:
+        moe = [layer.mlp.router for layer in segment.group.layers if isinstance(layer.mlp, MoE)]
+        out += [(router.e_score_correction_bias, [start + r * len(moe) + j for r in range(segment.repeats)])
+                for j, router in enumerate(moe)]
+        start += segment.repeats * len(moe)
+    return out

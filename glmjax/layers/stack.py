@@ -94,7 +94,7 @@ def _stack_axis(module: nnx.Module) -> None:
 
 
 class Segment(nnx.Module):
-    """R repeats of one LayerGroup: every variable stacked [R, ...], run by nnx.scan."""
+    """R repeats of one LayerGroup: every variable stacked [R, ...], run by lax.scan."""
 
     def __init__(self, config: ModelConfig, first: int, period: int, repeats: int, *, rngs: nnx.Rngs):
         keys = jax.random.split(rngs.params(), repeats)
@@ -109,12 +109,16 @@ class Segment(nnx.Module):
         stacked [R, ...]. Returns the last repeat's x and topk, the new caches stacked
         [R, ...], indexer losses [R * full layers] and expert loads [R * MoE layers, E] in
         layer order."""
-        def body(group, carry, caches_r):
-            out = group(*carry, cos, sin, q_pos, caches_r, indexer_loss)
+        # lax.scan over the split state (not nnx.scan): the forward mutates nothing, and a
+        # plain scan runs at any trace level (inside an engine's or generate's own loops).
+        graphdef, state = nnx.split(self.group)
+
+        def body(carry, xs):
+            state_r, caches_r = xs
+            out = nnx.merge(graphdef, state_r)(*carry, cos, sin, q_pos, caches_r, indexer_loss)
             return (out.x, out.topk), (out.caches, out.indexer_losses, out.expert_loads)
 
-        scan = nnx.scan(body, in_axes=(0, nnx.Carry, 0), out_axes=(nnx.Carry, 0))
-        (x, topk), (caches, losses, loads) = scan(self.group, (x, topk), caches)
+        (x, topk), (caches, losses, loads) = jax.lax.scan(body, (x, topk), (state, caches))
         flat = lambda a: None if a is None else a.reshape(-1, *a.shape[2:])  # noqa: E731  [R, n, ...] -> [R * n, ...]
         return GroupOut(x, topk, caches, flat(losses), flat(loads))
 

@@ -256,8 +256,7 @@ class GlmEngine(_Engine):
                                   donate_argnums=(1,))
         self._free_fn = jax.jit(lambda state, slot: state._replace(active=state.active.at[slot].set(False)),
                                 in_shardings=(st, rep), out_shardings=st, donate_argnums=(0,))
-        self._extract_fn = jax.jit(lambda state, slot: jax.tree.map(
-            lambda x: jax.lax.dynamic_slice_in_dim(x, slot, 1, 0), state.cache), in_shardings=(st, rep))
+        self._extract_fn = jax.jit(lambda state, slot: state.cache.rows(slot, 1), in_shardings=(st, rep))
 
     # Properties ------------------------------------------------------------------------
     @property
@@ -531,8 +530,9 @@ class GlmEngine(_Engine):
 
     @staticmethod
     def _move_impl(state: DecodeState, src, dst):
-        moved = jax.tree.map(lambda x: x.at[dst].set(x[src]), state)
-        return moved._replace(active=moved.active.at[src].set(moved.active[src] & (src == dst)))
+        moved = jax.tree.map(lambda x: x.at[dst].set(x[src]), state._replace(cache=None))
+        return moved._replace(active=moved.active.at[src].set(moved.active[src] & (src == dst)),
+                              cache=state.cache.with_rows(dst, state.cache.rows(src, 1)))
 
     def rows_for(self, slots_in_use: int) -> int:
         """The decode row count that covers slots [0, slots_in_use)."""
@@ -566,9 +566,11 @@ class GlmEngine(_Engine):
         """The step on slots [0, rows), written back in place; results padded to every slot."""
         if rows == self._slots:
             return self._generate_impl(leaves, state, version, top)
-        head = jax.tree.map(lambda x: x[:rows], state)
+        head = jax.tree.map(lambda x: x[:rows], state._replace(cache=None))._replace(cache=state.cache.rows(0, rows))
         new, out = self._generate_impl(leaves, head, version, top)
-        state = jax.tree.map(lambda full, part: full.at[:rows].set(part), state, new)
+        rest = jax.tree.map(lambda full, part: full.at[:rows].set(part), state._replace(cache=None),
+                            new._replace(cache=None))
+        state = rest._replace(cache=state.cache.with_rows(0, new.cache))
         return state, tuple(jnp.pad(x, [(0, self._slots - rows)] + [(0, 0)] * (x.ndim - 1)) for x in out)
 
     def _generate_impl(self, leaves, state: DecodeState, version, top: bool):

@@ -140,3 +140,24 @@ def test_program_size_does_not_grow_with_depth():
     looped = [_program_size(c) for c in (small, deep)]
     assert scanned[1] < 1.05 * scanned[0], scanned
     assert looped[1] > 3 * looped[0], looped
+
+
+def test_the_engine_serves_a_scanned_model_with_mtp_drafts_over_its_stacked_cache(tmp_path):
+    """Continuous batching with "shared" MTP drafting (the drafter reads the last layer's
+    cache, sliced out of its stack): greedy tokens equal the looped model's generate."""
+    from rl.engine.driver import Driver, Request
+    from rl.engine.engine import GlmEngine
+    from tests.engine_util import TINY, greedy_reference, prompts
+
+    looped = init_model(TINY, seed=0)
+    glmjax.save_pretrained(looped, tmp_path)
+    scanned = glmjax.from_pretrained(tmp_path, scan_layers=True)
+    assert scanned.mtp is not None and len(scanned.segments) == 2  # FSSF: [dense-full, moe-shared x 2], [moe-full]
+    engine = GlmEngine(scanned, max_concurrent_decodes=2, max_len=48, prefill_buckets=(16,), num_draft=2,
+                       mtp_mode="shared")
+    ps = prompts([7, 17, 5], seed=6)
+    driver = Driver(engine)
+    handles = [driver.submit(Request(p, max_new_tokens=n)) for p, n in zip(ps, (8, 5, 6))]
+    driver.run_until_idle()
+    for p, h, n in zip(ps, handles, (8, 5, 6)):
+        assert h.result().tokens == greedy_reference(looped, p, n)
