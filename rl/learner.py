@@ -34,11 +34,14 @@ from flax import nnx
 from glmjax import distributed
 from glmjax import train as lm_train
 from glmjax.model import GlmForCausalLM
+from pallas_kernels.reference import map_query_blocks
 from rl import sao
 from rl.algorithms import ALGORITHMS
 from rl.config import RLConfig
 from rl.distill import losses as distill_losses
 from rl.distill.losses import Distillation
+
+LOGITS_CHUNK = 512  # positions per LM-head chunk in token_logprobs
 
 _POLICY_PARAMS = nnx.All(nnx.Param, nnx.Not(nnx.PathContains("indexer")), nnx.Not(nnx.PathContains("mtp")))
 _MTP_PARAMS = nnx.All(nnx.Param, nnx.PathContains("mtp"), nnx.Not(nnx.PathContains("indexer")))
@@ -64,11 +67,20 @@ def token_logprobs(model: GlmForCausalLM, tokens: jax.Array, temperature: float 
     """log p(tokens[t] | tokens[:t]) and the entropy of that distribution, [B, T]; 0 at t = 0.
 
     p is softmax(logits / temperature): the distribution the engine sampled from, so the
-    importance ratio against its recorded log-probs is 1 for unchanged weights."""
-    logits = model(tokens).logits[:, :-1] / temperature
-    logp_all = jax.nn.log_softmax(logits, axis=-1)
-    logp = jnp.take_along_axis(logp_all, tokens[:, 1:, None], axis=-1)[..., 0]
-    entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    importance ratio against its recorded log-probs is 1 for unchanged weights. The LM head
+    runs over LOGITS_CHUNK positions at a time, each chunk rematerialised in the backward:
+    the [B, T, N] logits (N = 154,880 for GLM-5: 5 GB per 8k-token sequence in fp32) never
+    exist whole, only [B, LOGITS_CHUNK, N]."""
+    b, t = tokens.shape
+    out = model(tokens, logits_at=jnp.zeros((b, 0), jnp.int32))  # the trunk alone: no head over T
+    h = model.norm(out.hidden)[:, :-1]  # [B, T-1, D]: position t predicts token t + 1
+
+    def chunk(h, targets):  # [B, C, D], [B, C] -> log-prob and entropy [B, C]
+        logp_all = jax.nn.log_softmax(model.head(h) / temperature, axis=-1)  # [B, C, N]
+        logp = jnp.take_along_axis(logp_all, targets[..., None], axis=-1)[..., 0]
+        return logp, -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+
+    logp, entropy = map_query_blocks(chunk, LOGITS_CHUNK, h, tokens[:, 1:])
     pad = lambda x: jnp.pad(x, ((0, 0), (1, 0)))  # noqa: E731
     return pad(logp), pad(entropy)
 
