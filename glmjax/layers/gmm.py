@@ -1,16 +1,22 @@
 """Grouped matmul for the experts: rows sorted by expert, each group times its own weights.
 
-On GPU and TPU this is `jax.lax.ragged_dot` (megablox / Triton grouped GEMM). XLA:CPU
-lowers ragged_dot as a dense product against every group, E times the work, so on a CPU
-the rows are laid out in fixed-size tiles instead, each tile holding rows of one expert
-only (groups padded up to a tile multiple), and each tile is multiplied by its expert's
-weights. Exact, no dropped rows; padding costs at most E - 1 tiles.
+One implementation per platform (`SWIGLU_GROUPED`), chosen by the platform of the ambient
+mesh's devices (the default backend without a mesh), so a program compiled on a CPU host
+for a TPU mesh gets the TPU's:
 
-The choice follows the platform of the ambient mesh's devices (the default backend
-without a mesh), so a program compiled on a CPU host for a TPU mesh gets ragged_dot.
+- TPU: megablox (`jax.experimental.pallas.ops.tpu.megablox`), `gmm` for the products and
+  the input gradients, `tgmm` for the weight gradients. Its Pallas cost estimate is 2 M K N
+  for each of the three, which XLA:TPU's cost analysis then reports; XLA's own count of a
+  `ragged_dot`'s weight gradient is E times that. The rows are padded to the row tile.
+- GPU: `jax.lax.ragged_dot`.
+- CPU: XLA:CPU lowers ragged_dot as a dense product against every group, E times the
+  work, so the rows are laid out in fixed-size tiles instead, each tile holding rows of
+  one expert only (groups padded up to a tile multiple), and each tile is multiplied by
+  its expert's weights. Exact, no dropped rows; padding costs at most E - 1 tiles.
 
-The forward runs the tiles in a loop: each tile takes its own expert's weights (a dynamic
-slice, which XLA:CPU copies before the matmul), and tiles past the last group are skipped. The backward runs every tile at once, its weights
+On a CPU, the forward runs the tiles in a loop: each tile takes its own expert's weights
+(a dynamic slice, which XLA:CPU copies before the matmul), and tiles past the last group
+are skipped. The backward runs every tile at once, its weights
 gathered to [tiles, D, F] and the weight gradients summed back per expert: there the loop
 would rematerialise each tile under a cond, thousands of small ops, while the batched
 products' gathered copies cost little beside twice the forward's FLOPs. The forward's
@@ -19,18 +25,27 @@ every size measured here but one: large tiles of small experts, whose products t
 than the loop's cost per tile. Those run as one batched matmul, forward and backward.)
 
 Legend: M sorted rows, D in features, F out features, E groups (experts), n tiles, t rows
-per tile.
+per tile; K, N a product's in and out features.
 """
 
 from __future__ import annotations
+
+import functools
+import importlib
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.reference import jit_when_eager
 
+# megablox's kernels, gmm and tgmm: the package's name `gmm` is ops.gmm, their custom_vjp,
+# whose backward would be traced outside the matmul precision that this file sets
+megablox = importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
+
 BATCHED_TILE = 32  # rows per tile from which small experts' tiles run as one batched matmul
 LOOP_TILE_MACS = 1 << 22  # a tile's products from which the loop's per-tile cost is small beside them
+MEGABLOX_ROWS = 512  # rows per megablox tile at most
+MEGABLOX_FEATURES = 1024  # in and out features per megablox tile at most
 
 
 def tile_size(rows: int, groups: int) -> int:
@@ -144,18 +159,7 @@ def _swiglu_tiles_bwd(res, dy):
 _swiglu_tiles.defvjp(_swiglu_tiles_fwd, _swiglu_tiles_bwd)
 
 
-def swiglu_grouped(xs, group_sizes, gate, up, down):
-    """Rows sorted by expert through their expert: row r of group e -> down_e(silu(x_r gate_e) * (x_r up_e)).
-
-    xs [M, D]; group_sizes [E] int32 with sum <= M (rows past the sum give zeros); gate,
-    up [E, D, F]; down [E, F, D], in any stored dtype (or anything with `[e]` and `.astype`,
-    such as rl/engine/quant.py's Quantized); the products run in xs's dtype. Returns [M, D].
-    """
-    if platform() != "cpu":
-        gate, up, down = (w.astype(xs.dtype) for w in (gate, up, down))
-        h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, group_sizes)) * jax.lax.ragged_dot(xs, up, group_sizes)
-        ys = jax.lax.ragged_dot(h, down, group_sizes)
-        return jnp.where((jnp.arange(xs.shape[0]) < jnp.sum(group_sizes))[:, None], ys, 0)
+def _swiglu_tiled(xs, group_sizes, gate, up, down):
     layout = TiledLayout(group_sizes, xs.shape[0], tile_size(xs.shape[0], group_sizes.shape[0]))
     args = (layout.scatter(xs), layout.tile_group, layout.tile_used, gate, up, down)
     arrays = all(isinstance(w, jax.Array) for w in (gate, up, down))
@@ -166,6 +170,104 @@ def swiglu_grouped(xs, group_sizes, gate, up, down):
     else:
         y_tiles = _swiglu_tiles(*args)
     return layout.gather(y_tiles)
+
+
+def _swiglu_ragged(xs, group_sizes, gate, up, down):
+    gate, up, down = (w.astype(xs.dtype) for w in (gate, up, down))
+    h = jax.nn.silu(jax.lax.ragged_dot(xs, gate, group_sizes)) * jax.lax.ragged_dot(xs, up, group_sizes)
+    return _in_groups(jax.lax.ragged_dot(h, down, group_sizes), group_sizes)
+
+
+def _in_groups(y, group_sizes):
+    """y [M, N] with its rows past sum(group_sizes) set to zero."""
+    return jnp.where((jnp.arange(y.shape[0]) < jnp.sum(group_sizes))[:, None], y, 0)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def megablox_rows(rows: int) -> int:
+    """The rows megablox takes for `rows` sorted rows: up to MEGABLOX_ROWS, one row tile of
+    whole bf16 sublane tiles (16 rows); above, a multiple of the largest row tile of 512,
+    256, 128 that pads by at most an eighth. The kernels skip the padding (no group holds
+    it), but the cost analysis counts it, as it counts every one of the R rows."""
+    if rows <= MEGABLOX_ROWS:
+        return _round_up(rows, 16)
+    padded = (_round_up(rows, t) for t in (MEGABLOX_ROWS, MEGABLOX_ROWS // 2, MEGABLOX_ROWS // 4))
+    return next((p for p in padded if p - rows <= rows // 8), _round_up(rows, MEGABLOX_ROWS // 4))
+
+
+def megablox_tiling(m: int, k: int, n: int) -> tuple[int, int, int]:
+    """Tile sizes (rows, in, out features) of a megablox product [m, k] x [k, n], m from
+    `megablox_rows`. Mosaic takes a block whose last two dimensions are whole (16, 128)
+    tiles or the array's own: rows in one tile up to MEGABLOX_ROWS, else the largest of
+    512, 256, 128 dividing m; features the largest power-of-two multiple of 128 up to
+    MEGABLOX_FEATURES dividing the dimension, else the whole dimension."""
+    def largest(dim, limit):
+        return next((t for t in (limit >> i for i in range(limit.bit_length())) if t >= 128 and dim % t == 0), dim)
+
+    rows = m if m <= MEGABLOX_ROWS else largest(m, MEGABLOX_ROWS)
+    return rows, largest(k, MEGABLOX_FEATURES), largest(n, MEGABLOX_FEATURES)
+
+
+def _precision(dtype):
+    """bf16 in one MXU pass (Mosaic has no fp32 passes over bf16 operands, whatever
+    jax_default_matmul_precision says), fp32 exactly."""
+    return "highest" if dtype == jnp.float32 else "default"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _megablox_dot(x, w, group_sizes, interpret):
+    """x [M, K] rows sorted by group, w [E, K, N] -> [M, N] (zeros past sum(group_sizes)),
+    M a multiple of the row tile."""
+    with jax.default_matmul_precision(_precision(x.dtype)):
+        return _in_groups(megablox.gmm(x, w, group_sizes, x.dtype, megablox_tiling, interpret=interpret), group_sizes)
+
+
+def _megablox_dot_fwd(x, w, group_sizes, interpret):
+    return _megablox_dot(x, w, group_sizes, interpret), (x, w, group_sizes)
+
+
+def _megablox_dot_bwd(interpret, res, dy):
+    """dx = dy w_e^T per row of group e (gmm against the transposed weights); dw_e = x_e^T dy_e
+    (tgmm, which gives zeros to the empty groups)."""
+    x, w, group_sizes = res
+    with jax.default_matmul_precision(_precision(x.dtype)):
+        dx = megablox.gmm(dy, w, group_sizes, x.dtype, megablox_tiling, transpose_rhs=True, interpret=interpret)
+        dw = megablox.tgmm(x.swapaxes(0, 1), dy, group_sizes, w.dtype, megablox_tiling,
+                           num_actual_groups=w.shape[0], interpret=interpret)
+    return _in_groups(dx, group_sizes), dw, None
+
+
+_megablox_dot.defvjp(_megablox_dot_fwd, _megablox_dot_bwd)
+
+
+def swiglu_megablox(xs, group_sizes, gate, up, down, *, interpret=False):
+    """`swiglu_grouped` through megablox's kernels, the rows padded to `megablox_rows`.
+    `interpret` is megablox's: True, or a `pltpu.InterpretParams`, runs them on a CPU."""
+    m = xs.shape[0]
+    if m == 0:
+        return xs
+    xs = jnp.pad(xs, ((0, megablox_rows(m) - m), (0, 0)))
+    group_sizes = group_sizes.astype(jnp.int32)
+    gate, up, down = (w.astype(xs.dtype) for w in (gate, up, down))
+    dot = lambda x, w: _megablox_dot(x, w, group_sizes, interpret)  # noqa: E731
+    return dot(jax.nn.silu(dot(xs, gate)) * dot(xs, up), down)[:m]
+
+
+SWIGLU_GROUPED = {"cpu": _swiglu_tiled, "gpu": _swiglu_ragged, "tpu": swiglu_megablox}
+
+
+def swiglu_grouped(xs, group_sizes, gate, up, down):
+    """Rows sorted by expert through their expert: row r of group e -> down_e(silu(x_r gate_e) * (x_r up_e)).
+
+    xs [M, D]; group_sizes [E] int32 with sum <= M (rows past the sum give zeros); gate,
+    up [E, D, F]; down [E, F, D], in any stored dtype (or anything with `[e]` and `.astype`,
+    such as rl/engine/quant.py's Quantized); the products run in xs's dtype. Returns [M, D].
+    Platforms without an entry in SWIGLU_GROUPED use ragged_dot.
+    """
+    return SWIGLU_GROUPED.get(platform(), _swiglu_ragged)(xs, group_sizes, gate, up, down)
 
 
 @jit_when_eager  # an eager call compiles the tile scan once per shape, not at every call

@@ -101,9 +101,10 @@ def test_random_routing_with_drops_keeps_the_rest_exact():
 
 
 def test_compiled_for_tpu_v5p_gathers_no_expert_weight_and_computes_about_c_times_the_copies():
-    """XLA:TPU counts a ragged_dot as 2 M K N for its static rows M: with R = c M rows per
-    device the expert FLOPs are about c times the routed copies' (here they are nearly all
-    of the program's). The expert stacks enter whole, as stored: no all-gather of them."""
+    """XLA:TPU counts the grouped matmul (megablox) as 2 M K N for its static rows M: with
+    R = c M rows per device the expert FLOPs are about c times the routed copies' (here they
+    are nearly all of the program's). The expert stacks enter whole, as stored: no all-gather
+    of them. Compiled under the suite's fp32 matmul precision, which the bf16 kernels ignore."""
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # another process's compile-only client is no conflict
     from jax.experimental import topologies
 
@@ -119,8 +120,7 @@ def test_compiled_for_tpu_v5p_gathers_no_expert_weight_and_computes_about_c_time
             stack((e, d, f), ("experts", "embed", "mlp")), stack((e, d, f), ("experts", "embed", "mlp")),
             stack((e, f, d), ("experts", "mlp", "embed")))
     assert args[3].sharding.spec == P(("expert", "fsdp"), None, None)
-    # the suite's fp32 matmul precision would ask the bf16 ragged_dot kernel for fp32 passes
-    with jax.set_mesh(mesh), jax.default_matmul_precision("default"):
+    with jax.set_mesh(mesh):
         compiled = jax.jit(lambda *a: expert_parallel.experts_forward(*a, capacity_factor=c)[0]).lower(*args).compile()
     hlo = compiled.as_text()
     gathers = [line for line in hlo.splitlines() if re.search(r"\ball-gather(-start)?\(", line)]
