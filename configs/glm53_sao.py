@@ -11,8 +11,10 @@ rematerialised per layer (the backward keeps each layer's input only). The job i
 a value model of its own, 64 concurrent decodes per engine. `get_config(arg)`:
 
   ""      (default) v5p:8x8x4, 256 chips over 64 hosts: mesh fsdp=64 x expert=4, a process
-          per host (distributed.num_processes=-1: detected), so every host runs an engine on
-          its own 4 chips (rl/trainer.py);
+          per host (distributed.num_processes=-1: detected). Each device receives at most
+          1.25x its tokens' expert copies (model.moe_capacity_factor). The engine decodes in
+          the "decode" rules (rl.engine_rules: experts split over all 256 chips, every other
+          weight whole on each) over the whole slice: no host's 4 chips hold GLM-5.3;
   "h200"  64 H200s over 8 hosts: mesh fsdp=16 x expert=4, a process per host (8 GPUs each).
           A GPU target cannot be compiled on a CPU: `python -m glmjax.plan ... --roles`
           gives its planned bytes per device.
@@ -43,12 +45,16 @@ def get_config(arg=None):
     config.model.param_dtype = "bfloat16"
     config.model.scan_layers = True
     config.model.remat = "full"
+    # each device receives at most 1.25x its tokens' expert copies (layers/expert_parallel.py);
+    # the router's bias keeps the load near even, and a copy over the bound is dropped
+    config.model.moe_capacity_factor = 1.25
+    config.model.kernel_impl = "pallas"  # on a TPU: pallas_kernels/tpu (Mosaic), each device its own rows
     config.seed = 0
     config.checkpoint_every = 20
     config.task = section(TaskConfig, max_len=8192, max_new_tokens=6144, train_tasks=100000, eval_tasks=500)
     config.base = section(BaseConfig)
     config.rl = section(RLConfig, steps=1000, batch_size=256, slots=64, temperature=1.0, actor_lr=1e-6,
-                        critic_lr=5e-6, critic_warmup=20, export_every=100)
+                        critic_lr=5e-6, critic_warmup=20, export_every=100, engine_rules="decode")
     config.mesh = distributed.mesh_section(**mesh)
     config.rules = distributed.rules_section()
     config.distributed = distributed.distributed_section(num_processes=processes)

@@ -22,9 +22,9 @@ MaxText's train_compile does. The roles, each built the way rl/trainer.py builds
                   tokens (default: rl.slots rows of the prompt budget's bucket, the
                   largest program `GlmEngine.warmup` compiles for the job).
   engine_decode   GlmEngine's decode step over all rl.slots slots.
-The engine runs where rl/trainer.py places it: on the learner's mesh in one process, on
-each process's own block of the mesh when the job spans hosts (distributed.local_mesh),
-or on `rl.engine_mesh`'s devices after the learner's; in the rules `rl.engine_rules` names.
+The engine runs on the learner's mesh in one process, or on `rl.engine_mesh`'s devices
+after the learner's; when the job spans hosts, over the whole slice (one host's chips
+cannot hold a model of GLM-5's size); in the rules `rl.engine_rules` names.
 
 Per role the JSON holds `bytes_per_device` (compiled memory analysis),
 `planned_bytes_per_device` (glmjax/plan.py: role_bytes, the same layout),
@@ -93,7 +93,7 @@ class Layout:
     rules: sharding.Rules
     engine_mesh: jax.sharding.Mesh
     engine_rules: sharding.Rules
-    engine_placement: str  # "learner's mesh", "each process's block", "devices of its own"
+    engine_placement: str  # "learner's mesh", "the whole slice", "devices of its own"
 
 
 def job_layout(job, devices) -> Layout:
@@ -121,8 +121,10 @@ def job_layout(job, devices) -> Layout:
         if processes == 1:
             raise ValueError(f"config.mesh ({_shown(sizes)}) spans {hosts} hosts of the topology and "
                              "distributed.num_processes=1: set it to the host count, or -1 (detected)")
-        # every process runs an engine on its own devices (rl/trainer.py: _engine); process 0's
-        return Layout(mesh, rules, distributed.process_meshes(mesh)[0], engine_rules, "each process's block")
+        # A model of GLM-5's size does not fit one host's chips: the engine is one program over
+        # the whole slice in its own rules (the learner's parameters resharded inside XLA), every
+        # host running its share of each step.
+        return Layout(mesh, rules, mesh, engine_rules, "the whole slice")
     return Layout(mesh, rules, mesh, engine_rules, "learner's mesh")
 
 
@@ -463,9 +465,13 @@ ROLES = {"learner_step": _learner_role, "engine_prefill": _prefill_role, "engine
 
 def run_role(name: str, job, layout: Layout, chip: Chip, args) -> dict:
     programs, persistent, mesh, shape = ROLES[name](job, layout, args)
-    result = combine([compile_program(p) for p in programs], persistent)
-    devices = mesh.size
     rules = layout.rules if name == "learner_step" else layout.engine_rules
+    # traced as the job traces them: under the ambient mesh and rules (the MoE layers'
+    # expert-parallel dispatch, the activations' constraints), at the default matmul
+    # precision a TPU job runs with
+    with sharding.use_mesh(mesh, rules), jax.default_matmul_precision("default"):
+        result = combine([compile_program(p) for p in programs], persistent)
+    devices = mesh.size
     planned = plan.role_bytes(job, dict(mesh.shape), name, shape, rules=rules)
     analytic = analytic_flops(job, name, devices, prefill=(shape.get("rows", 1), shape.get("length", 1)))
     result.update(
@@ -516,6 +522,8 @@ def main(argv=None) -> int:
         parser.error(f"--roles names {unknown}: expected some of {', '.join(ROLES)}")
     from jax.experimental import topologies
 
+    # kernel_impl="pallas" compiles the Mosaic kernels (pallas_kernels/tpu) for the slice's chips
+    os.environ.setdefault("GLMJAX_PALLAS_BACKEND", "tpu")
     # the slice is described, not driven: another libtpu user on this machine is no conflict
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     try:
