@@ -52,11 +52,14 @@ setup(
         "test": ["pytest-xdist>=3.6", "torch==2.13.0", "transformers>=5.24,<6", "grpcio", "protobuf", "prometheus-client",
                  "nbclient", "nbformat", "ipykernel",
                  # an evaluation harness run against the OpenAI-compatible API
-                 "httpx>=0.28", "inspect-ai>=0.3.285,<0.4"],
+                 "httpx>=0.28", "inspect-ai>=0.3.285,<0.4",
+                 # libtpu: the Mosaic kernels and glmjax-aot compile for TPU topologies on a CPU
+                 # (tests/conftest.py keeps JAX_PLATFORMS=cpu for running)
+                 f"jax[tpu]=={JAX_VERSION}"],
         "serve": ["grpcio", "protobuf", "prometheus-client"],
         "gpu": [f"jax[cuda12]=={JAX_VERSION}"],
         "tpu": [f"jax[tpu]=={JAX_VERSION}"],
     },
     entry_points={"console_scripts": ["glmjax-train=rl.cli:main", "glmjax-serve=rl.engine.cli:main", "glmjax-envs=envs.cli:main",
-                                        "glmjax-aot=glmjax.aot:main"]},
+                                        "glmjax-aot=rl.aot:main"]},
 )

@@ -1,7 +1,7 @@
 """glm53_sao: SAO post-training of GLM-5.3 at full size, on a v5p slice of 256 chips (or 64 H200s).
 
     glmjax-aot --config configs/glm53_sao.py --topology v5p:8x8x4 --json /tmp/glm53_sao_aot.json
-    python -m glmjax.plan --config configs/glm53_sao.py:h200 --roles --devices-per-host 8 --device-memory-gb 141
+    python -m rl.job_plan --config configs/glm53_sao.py:h200 --device-memory-gb 141
     glmjax-train --config configs/glm53_sao.py --workdir gs://BUCKET/glm53-sao \\
         --config.base.checkpoint=/path/to/GLM-5.3 --config.task.data=/path/to/prompts.jsonl
 
@@ -16,10 +16,10 @@ a value model of its own, 64 concurrent decodes per engine. `get_config(arg)`:
           the "decode" rules (rl.engine_rules: experts split over all 256 chips, every other
           weight whole on each) over the whole slice: no host's 4 chips hold GLM-5.3;
   "h200"  64 H200s over 8 hosts: mesh fsdp=16 x expert=4, a process per host (8 GPUs each).
-          A GPU target cannot be compiled on a CPU: `python -m glmjax.plan ... --roles`
+          A GPU target cannot be compiled on a CPU: `python -m rl.job_plan`
           gives its planned bytes per device.
 `glmjax-aot` compiles the learner's step and the engine's prefill and decode for the slice
-and compares them with the planner's figures (glmjax/plan.py: role_bytes).
+and compares them with the planner's figures (rl/job_plan.py: role_bytes).
 """
 
 import os

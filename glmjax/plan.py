@@ -2,11 +2,10 @@
 
     python -m glmjax.plan --config configs/glm53.py --mesh fsdp=8,expert=8 --device-memory-gb 141
     python -m glmjax.plan --config configs/glm53.py --devices 256 --device-memory-gb 95 --search
-    python -m glmjax.plan --config configs/glm53_sao.py:h200 --roles --devices-per-host 8 --device-memory-gb 141
 
-With --roles the config is an RL job's (rl/config.py) and the plan is `role_bytes` of its
-learner step and engine programs in the layouts rl/trainer.py gives them, the same roles
-`glmjax-aot` compiles (glmjax/aot.py).
+An RL job's programs, each in the layout the job gives it, are planned by rl/job_plan.py
+(`python -m rl.job_plan`) from the pieces here (`layer_activations`,
+`learner_activations`), and compiled by `glmjax-aot` (rl/aot.py) beside that plan.
 
 Parameters come from `jax.eval_shape` of the model and the sharding rules (exact).
 Optimizer state is AdamW's two moments per parameter, in fp32 (plus an fp32 master copy
@@ -211,37 +210,7 @@ def plan(config: ModelConfig, mesh_sizes: dict[str, int], *, device_memory: floa
                 rollout_kv_cache=kv_cache_bytes(c, slots, rollout_len, sizes), teacher=teacher, settings=settings)
 
 
-# The RL job's roles, in the layouts rl/trainer.py gives them (glmjax-aot compiles the same) --
-ROLES = ("learner_step", "engine_prefill", "engine_decode")
-
-
-def learner_objects(job):
-    """The learner's modules as rl/trainer.py builds them, abstract (nnx.eval_shape): the
-    policy, its optimizer (rl/learner.py: Adam over the policy's parameters less the
-    indexer and MTP layer, moments in the parameters' dtype), the KL reference (a copy of
-    the policy, rl.kl_coef > 0), the critic (ValueModel over a copy of the whole policy,
-    rl.uses_critic) and its optimizer, the MTP layer's optimizer (rl.mtp_lr > 0)."""
-    from rl import learner as rl_learner
-
-    rl = job.rl
-
-    def build():
-        policy = GlmForCausalLM(job.model, rngs=nnx.Rngs(params=0))
-        critic = rl_learner.ValueModel(nnx.clone(policy)) if rl.uses_critic else None
-        learner = rl_learner.Learner(policy, critic, rl)
-        return (policy, learner.actor_opt, learner.reference, learner.critic, learner.critic_opt, learner.mtp_opt)
-
-    return nnx.eval_shape(build)
-
-
-def _state_bytes(obj, sizes, mesh, rules, wrt=None) -> float:
-    """Per-device bytes of an abstract module's variables (those `wrt` filters, if given)."""
-    if obj is None:
-        return 0.0
-    state = nnx.state(obj, wrt) if wrt is not None else nnx.state(obj)
-    return _per_device(state, sizes, mesh, rules)[1]
-
-
+# Training activations by remat policy (rl/job_plan.py plans the RL job's programs from these) --
 def layer_activations(c: ModelConfig, layer: int | None, tokens: float, seq: int, keys: int, sizes) -> dict:
     """Per-device bytes of one decoder layer's forward intermediates on `tokens` local
     tokens (rows of `seq`, attending over `keys` keys): the matmul outputs a backward needs,
@@ -264,10 +233,13 @@ def layer_activations(c: ModelConfig, layer: int | None, tokens: float, seq: int
         x, f = c.num_experts_per_tok, c.moe_intermediate_size / sizes["tensor"]
         copies = tokens * x
         matmuls += 2 * c.shared_intermediate_size / sizes["tensor"] + c.n_routed_experts * 4 / act
-        # layers/expert_parallel.py: without a capacity factor each destination's buffer holds
-        # every local copy, so send, receive, the experts' output and its return are
-        # n_ep x copies rows of D each; the grouped matmul's gate and up outputs F wide
-        n_ep = sizes["expert"]
+        # layers/expert_parallel.py: experts split over expert x fsdp (over expert alone when E
+        # does not divide); a device receives at most capacity x its copies, or without a
+        # capacity factor every copy of every device (n_ep x copies rows): send, receive, the
+        # experts' output and its return D wide, the grouped matmul's gate and up F wide
+        n_ep = sizes["expert"] * sizes["fsdp"]
+        if c.n_routed_experts % n_ep:
+            n_ep = sizes["expert"]
         rows = copies * n_ep if n_ep > 1 and c.moe_capacity_factor is None else copies * (
             c.moe_capacity_factor or 1.0)
         ep = rows * (4 * c.hidden_size + 3 * f) * act if n_ep > 1 else rows * (c.hidden_size + 3 * f) * act
@@ -276,10 +248,13 @@ def layer_activations(c: ModelConfig, layer: int | None, tokens: float, seq: int
     return {"saved_matmuls": tokens * matmuls * act, "attention": attention, "indexer": indexer, "moe": ep}
 
 
-def learner_activations(c: ModelConfig, rows: int, seq: int, sizes, head: bool = True) -> dict:
+def learner_activations(c: ModelConfig, rows: int, seq: int, sizes, head: bool = True,
+                        logits_chunk: int | None = None) -> dict:
     """Per-device activation bytes of a training forward + backward over rows x seq, by
     `model.remat`: "full" keeps each layer's input and recomputes the layer in the
-    backward, "matmuls" keeps the matmul outputs, "none" keeps every layer's working set."""
+    backward, "matmuls" keeps the matmul outputs, "none" keeps every layer's working set.
+    logits_chunk: positions per LM-head chunk (rl/learner.py: token_logprobs), or None for
+    the head over the whole sequence at once."""
     act = np.dtype(c.dtype).itemsize
     batch_shards = math.prod(sizes[a] for a in sharding.BATCH_AXES)
     tokens = max(rows / batch_shards, 1) * seq / sizes["sequence"]
@@ -292,75 +267,9 @@ def learner_activations(c: ModelConfig, rows: int, seq: int, sizes, head: bool =
         saved = sum(a["saved_matmuls"] for a in layers)
     else:
         saved = sum(sum(a.values()) for a in layers)
-    logits = 3 * tokens * c.vocab_size / sizes["tensor"] * 4 if head else 0.0  # logits, log-softmax, its grad
+    chunk = max(rows / batch_shards, 1) * min(logits_chunk or seq, seq) / sizes["sequence"]
+    logits = 3 * chunk * c.vocab_size / sizes["tensor"] * 4 if head else 0.0  # logits, log-softmax, its grad
     return {"saved": saved, "layer_working_set": 2 * working, "lm_head": logits}
-
-
-def role_bytes(job, mesh_sizes: dict[str, int], role: str, shape: dict, *, rules=None, objects=None) -> dict:
-    """Planned per-device bytes of one role of the RL job (`job`: rl/config.py JobConfig)
-    on a mesh of `mesh_sizes` under `rules`: its parts and their "total".
-
-    learner_step (shape rows, length): the persistent state (exact, from the abstract
-    modules: policy, Adam states, reference, critic), then the larger of the two steps'
-    extra bytes (they run one after the other): updated copies of the trained parameters
-    and their optimizer state (the steps do not donate their inputs), the gradients, and
-    the activations (`learner_activations`; the critic's without the LM head).
-    engine_prefill (rows, length): parameters in the engine's layout, the empty input cache
-    on every device, the written cache split per slot, and the forward's working set.
-    engine_decode (slots, cache_length, tokens_per_slot): parameters, the decode state
-    (updated in place: donated), the logits and one layer's working set."""
-    from rl.learner import _MTP_PARAMS, _POLICY_PARAMS
-
-    if role not in ROLES:
-        raise ValueError(f"role={role!r}: expected one of {ROLES}")
-    c = job.model
-    sizes = {a: mesh_sizes.get(a, 1) for a in sharding.AXES}
-    mesh = jax.sharding.AbstractMesh(tuple(sizes.values()), sharding.AXES)
-    if role == "learner_step":
-        policy, actor_opt, reference, critic, critic_opt, mtp_opt = objects or learner_objects(job)
-        b = lambda obj, wrt=None: _state_bytes(obj, sizes, mesh, rules, wrt)  # noqa: E731
-        parts = {"policy": b(policy), "actor_optimizer": b(actor_opt), "reference": b(reference),
-                 "critic": b(critic), "critic_optimizer": b(critic_opt), "mtp_optimizer": b(mtp_opt)}
-        persistent = sum(parts.values())
-        rows, seq = shape["rows"], shape["length"]
-        actor_trained = b(policy, _POLICY_PARAMS)
-        actor_act = learner_activations(c, rows, seq, sizes)
-        steps = {"actor_step": 2 * actor_trained + parts["actor_optimizer"] + sum(actor_act.values())}
-        if critic is not None:
-            critic_trained = b(critic, critic_opt.wrt)
-            critic_act = learner_activations(c, rows, seq, sizes, head=False)
-            steps["critic_phase"] = 2 * critic_trained + parts["critic_optimizer"] + sum(critic_act.values())
-        if mtp_opt is not None:
-            steps["mtp_step"] = 2 * b(policy, _MTP_PARAMS) + parts["mtp_optimizer"] + sum(actor_act.values())
-        parts.update(activations=actor_act, step_extra=steps, total=persistent + max(steps.values()))
-        return parts
-    state = abstract_state(c)
-    params = _per_device(state, sizes, mesh, rules)[1]
-    batch_shards = math.prod(sizes[a] for a in sharding.BATCH_AXES)
-    act = np.dtype(c.dtype).itemsize
-    per_token = jax.eval_shape(lambda: KVCache.init(c, 1, 1)).bytes_per_token()
-    if role == "engine_prefill":
-        rows, length = shape["rows"], shape["length"]
-        cache_len = job.task.max_len + job.rl.num_draft
-        empty = per_token * rows * cache_len  # rl/engine/engine.py: _empty_rows, on every device
-        written = per_token * rows * cache_len / min(batch_shards, rows)
-        tokens = rows * length / min(batch_shards, rows)
-        layer = max(sum(layer_activations(c, i, tokens, length, length, sizes).values())
-                    for i in range(c.num_hidden_layers))
-        head = 2 * rows * c.vocab_size / sizes["tensor"] * 4
-        parts = {"params": params, "input_cache": empty, "output_cache": written,
-                 "forward": 2 * tokens * c.hidden_size * act + layer, "logits": head}
-    else:
-        slots, cache_len, fed = shape["slots"], shape["cache_length"], shape["tokens_per_slot"]
-        cache = per_token * slots * cache_len / min(batch_shards, slots)
-        draft = slots * (fed - 1) * c.vocab_size * 4 / min(batch_shards, slots)
-        tokens = slots * fed / min(batch_shards, slots)
-        layer = max(sum(layer_activations(c, i, tokens, fed, cache_len, sizes).values())
-                    for i in range(c.num_hidden_layers))
-        logits = 3 * tokens * c.vocab_size * 4
-        parts = {"params": params, "decode_state": cache + draft, "forward": layer, "logits": logits}
-    parts["total"] = sum(v for v in parts.values())
-    return parts
 
 
 def candidate_meshes(devices: int):
@@ -400,47 +309,6 @@ def format_plan(p: Plan) -> str:
     return "\n".join(lines)
 
 
-def host_block(sizes: dict[str, int], per_host: int) -> dict[str, int]:
-    """The axis sizes of one host's block of a mesh whose devices are ordered host by host
-    (glmjax.make_mesh over jax.devices(); distributed.process_meshes): the last axes first."""
-    block, left = dict.fromkeys(sizes, 1), per_host
-    for axis in reversed(list(sizes)):
-        take = math.gcd(sizes[axis], left)
-        block[axis], left = take, left // take
-    return block
-
-
-def job_roles(cfg, devices_per_host: int) -> dict:
-    """role_bytes of every role of an RL job config, the engine on one host's block of the
-    mesh when the job runs a process per host (distributed.num_processes != 1), on the
-    learner's mesh otherwise."""
-    from glmjax import distributed
-    from rl.config import JobConfig
-
-    if distributed.DistributedConfig.of(cfg).num_processes == 1 and distributed.mesh_devices(cfg) > len(
-            jax.devices()):
-        cfg = cfg.copy_and_resolve_references()
-        cfg.distributed.num_processes = -1  # planned for the job's devices, not this machine's
-    job = JobConfig.from_config(cfg)
-    sizes = {a: int(cfg.mesh.get(a, 1)) for a in sharding.AXES}
-    multi = job.processes != 1 and math.prod(sizes.values()) > devices_per_host
-    engine = host_block(sizes, devices_per_host) if multi else sizes
-    rules = distributed.job_rules(cfg)
-    engine_rules = sharding.DECODE_RULES if job.rl.engine_rules == "decode" else rules
-    rl, task = job.rl, job.task
-    rows = rl.batch_size * (rl.compaction.max_segments if rl.compaction.enabled else 1)
-    slots = 1 << (rl.slots - 1).bit_length()
-    prompt = 1 << (max(task.max_len - task.max_new_tokens, 1) - 1).bit_length()
-    shapes = {"learner_step": {"rows": rows, "length": task.max_len},
-              "engine_prefill": {"rows": slots, "length": min(max(prompt, 16), task.max_len + rl.num_draft)},
-              "engine_decode": {"slots": rl.slots, "cache_length": task.max_len + rl.num_draft,
-                                "tokens_per_slot": 1 + rl.num_draft}}
-    return {role: dict(role_bytes(job, sizes if role == "learner_step" else engine, role, shapes[role],
-                                  rules=rules if role == "learner_step" else engine_rules),
-                       mesh={a: n for a, n in (sizes if role == "learner_step" else engine).items() if n > 1},
-                       shape=shapes[role]) for role in ROLES}
-
-
 def main(argv=None):
     from glmjax import presets
 
@@ -463,22 +331,7 @@ def main(argv=None):
     ap.add_argument("--slots", type=int, default=64, help="RL: the rollout engine's concurrent sequences")
     ap.add_argument("--rollout-len", type=int, help="RL: tokens per rollout slot (default --seq)")
     ap.add_argument("--json", help="also write the plan(s) here")
-    ap.add_argument("--roles", action="store_true", help="an RL job config's roles (learner step, engine "
-                    "prefill and decode) on its own mesh, as glmjax-aot compiles them")
-    ap.add_argument("--devices-per-host", type=int, default=4, help="with --roles: a process's devices (v5p: 4)")
     args, overrides = ap.parse_known_args(argv)
-    if args.roles:
-        path, _, arg = args.config.partition(":")
-        roles = job_roles(presets.load_config(path, overrides, arg or None), args.devices_per_host)
-        budget = args.device_memory_gb * GB
-        for role, parts in roles.items():
-            verdict = "fits" if parts["total"] <= budget else "does NOT fit"
-            print(f"{role:<16s} {parts['total'] / GB:9.2f} GB / device on {parts['mesh']}: {verdict} in "
-                  f"{args.device_memory_gb:.0f} GB")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(roles, f, indent=2)
-        return 0 if all(p["total"] <= budget for p in roles.values()) else 1
     config = presets.model_config_from(presets.load_config(args.config, overrides)).replace(
         param_dtype=args.param_dtype, dtype=args.param_dtype)
     kwargs = dict(device_memory=args.device_memory_gb * GB, batch=args.batch, seq=args.seq,

@@ -132,7 +132,10 @@ def _actor_grads(policy, batch, advantages, weights, rl, reference=None, teacher
     return grads, dict(aux, grad_norm=optax.tree.norm(grads), finite=finite)
 
 
-@functools.partial(nnx.jit, static_argnames=("rl", "distill"))
+# The optimizer states are donated: a step's new moments take the old ones' memory (at GLM-5's
+# size, 2 bytes x 2 moments per parameter per device). The parameters are not: the engine may
+# decode from the very arrays a step reads (publishing is a reference swap).
+@functools.partial(nnx.jit, static_argnames=("rl", "distill"), donate_argnames=("optimizer",))
 def _actor_step(policy, optimizer, reference, batch, advantages, weights, teacher, rl, distill):
     """Step 4 in one call: the objective's gradients (with a `reference` model, its KL term
     too; with a `teacher`, the distillation term), applied only when the loss and every
@@ -168,7 +171,7 @@ def _critic_step(critic, optimizer, batch, returns, weights, clipped, targets=No
     return aux
 
 
-@functools.partial(nnx.jit, static_argnames=("alpha", "gamma", "steps", "clipped"))
+@functools.partial(nnx.jit, static_argnames=("alpha", "gamma", "steps", "clipped"), donate_argnames=("optimizer",))
 def _critic_phase(critic, optimizer, batch, weights, alpha, gamma, steps, clipped):
     """Steps 1-3 in one call: the critic's values (a snapshot before any update), the
     advantages and returns from them, then `steps` critic updates on those fixed returns;
@@ -187,7 +190,7 @@ def _critic_phase(critic, optimizer, batch, weights, alpha, gamma, steps, clippe
     return adv, values, aux
 
 
-@nnx.jit
+@functools.partial(nnx.jit, donate_argnames=("optimizer",))
 def _mtp_step(policy, optimizer, tokens, action_mask):
     """Step 5: the MTP loss on the action tokens, its gradient on the MTP layer alone."""
     hidden = jax.lax.stop_gradient(policy(tokens).hidden)

@@ -21,7 +21,7 @@ from flax import nnx
 from glmjax.config import ModelConfig
 from glmjax.layers.norms import layer_norm
 from glmjax.layers.rope import apply_rope
-from pallas_kernels import ops
+from glmjax.layers import kernels
 
 INDEXER_KEY_NORM_EPS = 1e-6
 
@@ -63,7 +63,7 @@ class Indexer(nnx.Module):
     def select(self, qr, x, cos, sin, k_all, q_pos, topk: int) -> jax.Array:
         """Top-k key positions [B, T, P] over the keys k_all [B, S, I]; -1 marks empty slots."""
         q, w = self.queries(qr, x, cos, sin)
-        return ops.get("indexer_topk", self.config.kernel_impl)(q, w, k_all, q_pos, topk=topk)
+        return kernels.get("indexer_topk", self.config.kernel_impl)(q, w, k_all, q_pos, topk=topk)
 
 
 def indexer_kl(p_attn: jax.Array, index_scores: jax.Array, valid: jax.Array) -> jax.Array:

@@ -28,7 +28,8 @@ from glmjax.config import ModelConfig
 from glmjax.layers.indexer import Indexer, indexer_kl
 from glmjax.layers.norms import rms_norm
 from glmjax.layers.rope import apply_rope
-from pallas_kernels import ops, reference
+from glmjax.layers import kernels
+from pallas_kernels import reference
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps
 
@@ -142,9 +143,9 @@ class MLA(nnx.Module):
         q_c = jnp.einsum("BTHK,CHK->BTHC", q_nope, w(self.w_uk))
         scale = c.softmax_scale
         if topk is None:
-            o_c = ops.get("mla_attention", c.kernel_impl)(q_c, q_rope, c_all, r_all, key_pos, scale=scale)
+            o_c = kernels.get("mla_attention", c.kernel_impl)(q_c, q_rope, c_all, r_all, key_pos, scale=scale)
         else:
-            o_c = ops.get("sparse_mla_attention", c.kernel_impl)(q_c, q_rope, c_all, r_all, key_pos, topk,
+            o_c = kernels.get("sparse_mla_attention", c.kernel_impl)(q_c, q_rope, c_all, r_all, key_pos, topk,
                                                                   scale=scale)
         o = jnp.einsum("BTHC,CHV->BTHV", o_c, w(self.w_uv))
         out = jnp.einsum("BTHV,HVD->BTD", o, w(self.o_proj))

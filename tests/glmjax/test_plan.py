@@ -74,20 +74,3 @@ def test_rl_roles_split_over_the_mesh():
     assert p.critic_params == 4 * (64 / 8 + 1)
     with pytest.raises(ValueError, match="critic='tied'.*separate"):
         plan.plan(config, {}, critic="tied", **COMMON)
-
-
-def test_job_roles_place_the_engine_on_one_hosts_block():
-    from glmjax.presets import load_config
-
-    cfg = load_config(REPO / "configs/glm53_sao.py", ["model.num_hidden_layers=4"], arg="h200")
-    roles = plan.job_roles(cfg, devices_per_host=8)
-    assert set(roles) == set(plan.ROLES)
-    assert roles["learner_step"]["mesh"] == {"fsdp": 16, "expert": 4}
-    assert roles["engine_decode"]["mesh"] == {"fsdp": 2, "expert": 4}  # 8 GPUs of one process
-    learner = roles["learner_step"]
-    # SAO: a critic as large as the policy; Adam's two bf16 moments of every parameter but the
-    # indexers' and the MTP layer's (at 4 layers the MTP layer is a fifth of them)
-    assert learner["critic"] == pytest.approx(learner["policy"], rel=1e-3)
-    assert learner["policy"] < learner["actor_optimizer"] < 2 * learner["policy"]
-    assert learner["total"] > sum(learner[k] for k in ("policy", "actor_optimizer", "critic", "critic_optimizer"))
-    assert plan.host_block({"fsdp": 64, "expert": 4}, 4) == {"fsdp": 1, "expert": 4}

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from glmjax import aot
+from rl import aot
 from glmjax.config import ModelConfig
 from glmjax.presets import load_config
 from tests.presets_util import REPO

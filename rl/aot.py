@@ -27,7 +27,7 @@ after the learner's; when the job spans hosts, over the whole slice (one host's 
 cannot hold a model of GLM-5's size); in the rules `rl.engine_rules` names.
 
 Per role the JSON holds `bytes_per_device` (compiled memory analysis),
-`planned_bytes_per_device` (glmjax/plan.py: role_bytes, the same layout),
+`planned_bytes_per_device` (rl/job_plan.py: role_bytes, the same layout),
 `flops_per_device` and `bytes_accessed_per_device` (compiled cost analysis),
 `analytic_flops_per_device` (`analytic_flops`: the model's matmul FLOPs), the roofline
 seconds on the chip's figures, and the compile seconds. `spmd_warnings` counts XLA's
@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -53,9 +54,10 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from glmjax import cli, distributed, plan, sharding
+from glmjax import cli, distributed, sharding
 from glmjax.config import ModelConfig
 from glmjax.model import GlmForCausalLM
+from rl import job_plan
 
 GiB = 2 ** 30
 REMAT_WARNING = "Involuntary full rematerialization"
@@ -181,7 +183,7 @@ def learner_programs(job, layout: Layout):
     rl = job.rl
     mesh, rules = layout.mesh, layout.rules
     with sharding.use_mesh(mesh, rules):
-        (policy, actor_opt, reference, critic, critic_opt, mtp_opt), persistent = _place(plan.learner_objects(job),
+        (policy, actor_opt, reference, critic, critic_opt, mtp_opt), persistent = _place(job_plan.learner_objects(job),
                                                                                           mesh, rules)
     batch = learner_batch(_learner_rows(job), job.task.max_len, mesh, rules)
     weights = batch.logp_rollout
@@ -392,6 +394,10 @@ def compile_program(program: Program) -> dict:
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    # a full-size program's compile holds gigabytes of host memory: let it go before the next
+    del compiled
+    jax.clear_caches()
+    gc.collect()
     nbytes = (mem.argument_size_in_bytes + mem.output_size_in_bytes + mem.temp_size_in_bytes
               - mem.alias_size_in_bytes)
     return {"name": program.name, "bytes_per_device": int(nbytes), "argument_bytes": int(mem.argument_size_in_bytes),
@@ -472,7 +478,7 @@ def run_role(name: str, job, layout: Layout, chip: Chip, args) -> dict:
     with sharding.use_mesh(mesh, rules), jax.default_matmul_precision("default"):
         result = combine([compile_program(p) for p in programs], persistent)
     devices = mesh.size
-    planned = plan.role_bytes(job, dict(mesh.shape), name, shape, rules=rules)
+    planned = job_plan.role_bytes(job, dict(mesh.shape), name, shape, rules=rules)
     analytic = analytic_flops(job, name, devices, prefill=(shape.get("rows", 1), shape.get("length", 1)))
     result.update(
         planned_bytes_per_device=int(planned["total"]), planned=planned,
