@@ -76,7 +76,7 @@ def _job(cfg):
         raise ValueError("the config is a model preset with none of the sections `rl` (RL job), `opd` "
                          "(distillation) or `train` (language model): job configs load it, e.g. "
                          "configs/glm53_sao.py (glmjax-train, or glmjax-aot --topology v5p:8x8x4 to compile it "
-                         "for a TPU slice; python -m glmjax.plan --roles for its memory plan)")
+                         "for a TPU slice; python -m rl.job_plan for its memory plan)")
     raise ValueError("the config has none of the sections `rl` (RL job), `opd` (distillation) or `train` "
                      "(language model)")
 

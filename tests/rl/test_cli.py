@@ -86,9 +86,10 @@ def test_get_config_rejecting_its_arg_or_missing_is_one_line_error(tmp_path, cap
         f"--config {picky}:huge: get_config(arg='huge'): expected 'small' or nothing"
     assert _error(capsys, ["--config", str(empty), *run]) == \
         f"--config {empty}: config file {str(empty)!r} defines no get_config(arg=None)"
-    assert _error(capsys, ["--config", f"{picky}:small", *run]) == (
-        f"--config {picky}:small: the config has none of the sections `rl` (RL job), `opd` (distillation) or "
-        "`train` (language model)")
+    assert _error(capsys, ["--config", f"{picky}:small", *run]) == (  # a model preset: it names the job configs
+        f"--config {picky}:small: the config is a model preset with none of the sections `rl` (RL job), `opd` "
+        "(distillation) or `train` (language model): job configs load it, e.g. configs/glm53_sao.py (glmjax-train, "
+        "or glmjax-aot --topology v5p:8x8x4 to compile it for a TPU slice; python -m rl.job_plan for its memory plan)")
     assert _error(capsys, ["--config", str(picky), *run], main=lm_cli.train_main) == \
         f"--config {picky}: the config has no `train` section (steps, batch_size, seq_len, ...)"
 
