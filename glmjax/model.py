@@ -10,7 +10,7 @@ last layer's is returned (`ModelOutput.topk`) for MTP drafting over the main cac
 
 Layers are a Python loop over `model.layers` by default, or with `config.scan_layers` a
 few `model.segments`, each one group of layers stacked over its repeats and run by
-`nnx.scan` (glmjax/layers/stack.py); both rematerialise per layer as `config.remat` says.
+`lax.scan` (glmjax/layers/stack.py); both rematerialise per layer as `config.remat` says.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
-"""Scanned decoder layers: parameters stacked per kind of layer group, run by `nnx.scan`.
+"""Scanned decoder layers: parameters stacked per kind of layer group, run by `lax.scan`.
 
 A model's layers fall into groups: a full-indexer layer and the IndexShare layers after it
 that reuse its top-k (one layer per group without IndexShare). Consecutive groups of the
 same structure (dense or MoE at each position) form a segment
 (`ModelConfig.layer_segments`); a segment is one `LayerGroup` module whose every variable
-has a leading [R] axis, one row per repeat, and `nnx.scan` runs the repeats. A program then
+has a leading [R] axis, one row per repeat, and `lax.scan` runs the repeats. A program then
 holds each kind of group once, so its size and compile time do not grow with depth.
 
     GLM-5.3 (78 layers; indexer on 0, 1, 2, 6, 10, ..., 74; MoE from layer 3):
