@@ -566,11 +566,11 @@ class GlmEngine(_Engine):
         """The step on slots [0, rows), written back in place; results padded to every slot."""
         if rows == self._slots:
             return self._generate_impl(leaves, state, version, top)
-        head = jax.tree.map(lambda x: x[:rows], state._replace(cache=None))._replace(cache=state.cache.rows(0, rows))
-        new, out = self._generate_impl(leaves, head, version, top)
-        rest = jax.tree.map(lambda full, part: full.at[:rows].set(part), state._replace(cache=None),
-                            new._replace(cache=None))
-        state = rest._replace(cache=state.cache.with_rows(0, new.cache))
+        rest = state._replace(cache=None)  # the cache's rows sit on its own axis (glmjax/cache.py)
+        new, out = self._generate_impl(leaves, jax.tree.map(lambda x: x[:rows], rest)._replace(
+            cache=state.cache.rows(0, rows)), version, top)
+        state = jax.tree.map(lambda full, part: full.at[:rows].set(part), rest, new._replace(cache=None))._replace(
+            cache=state.cache.with_rows(0, new.cache))
         return state, tuple(jnp.pad(x, [(0, self._slots - rows)] + [(0, 0)] * (x.ndim - 1)) for x in out)
 
     def _generate_impl(self, leaves, state: DecodeState, version, top: bool):
