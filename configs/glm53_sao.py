@@ -48,6 +48,8 @@ def get_config(arg=None):
     # each device receives at most 1.25x its tokens' expert copies (layers/expert_parallel.py);
     # the router's bias keeps the load near even, and a copy over the bound is dropped
     config.model.moe_capacity_factor = 1.25
+    # a device's 8192 tokens exchanged in 4 chunks: the backward holds one chunk's buffers
+    config.model.moe_chunk_tokens = 2048
     config.model.kernel_impl = "pallas"  # on a TPU: pallas_kernels/tpu (Mosaic), each device its own rows
     config.seed = 0
     config.checkpoint_every = 20

@@ -4,8 +4,8 @@ One frozen dataclass describes every model glmjax runs, from `configs/tiny.py` t
 744B GLM-5. Field names are the ones in the checkpoint's `config.json`, so
 `ModelConfig.from_hf(path)` and `config.to_hf()` are plain renames plus derived lists.
 The fields under "How to run it" are glmjax's own (`dtype`, `param_dtype`, `kernel_impl`,
-`moe_capacity_factor`, `scan_layers`, `remat`): how to run the model, not what it is;
-`to_hf` leaves them out.
+`moe_capacity_factor`, `moe_chunk_tokens`, `scan_layers`, `remat`): how to run the model,
+not what it is; `to_hf` leaves them out.
 
 Per-layer structure is derived once, here:
   * `mlp_layer_types[i]`  "dense" (plain SwiGLU) or "sparse" (MoE);
@@ -28,7 +28,8 @@ KERNEL_IMPLS = ("xla", "pallas")
 REMAT_POLICIES = ("none", "full", "matmuls")  # glmjax/layers/stack.py: what a layer keeps for its backward
 ROPE_TYPES = ("default", "yarn")
 
-RUNTIME_FIELDS = ("dtype", "param_dtype", "kernel_impl", "moe_capacity_factor", "scan_layers", "remat")
+RUNTIME_FIELDS = ("dtype", "param_dtype", "kernel_impl", "moe_capacity_factor", "moe_chunk_tokens", "scan_layers",
+                  "remat")
 
 _HF_ARCHITECTURES = {
     "glm_moe_dsa": "GlmMoeDsaForCausalLM",
@@ -94,6 +95,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     kernel_impl: str = "xla"
     moe_capacity_factor: float | None = None  # expert-parallel buffer bound; None: never drop a token
+    moe_chunk_tokens: int | None = None  # tokens per device per expert-parallel exchange; None: all at once
     scan_layers: bool = False  # stacked parameters per layer kind, the layers run under lax.scan
     remat: str = "none"  # per layer: "none", "full" (keep its input) or "matmuls" (keep matmul outputs)
 
@@ -198,6 +200,9 @@ class ModelConfig:
                     _fail("rope_parameters", rope, f"yarn RoPE needs '{key}'")
         if self.moe_capacity_factor is not None and not self.moe_capacity_factor > 0:
             _fail("moe_capacity_factor", self.moe_capacity_factor, "expected None (no dropping) or a positive float")
+        if self.moe_chunk_tokens is not None and not (isinstance(self.moe_chunk_tokens, int)
+                                                      and self.moe_chunk_tokens > 0):
+            _fail("moe_chunk_tokens", self.moe_chunk_tokens, "expected None (one exchange) or a positive int")
         for name, allowed in (("dtype", DTYPES), ("param_dtype", DTYPES), ("kernel_impl", KERNEL_IMPLS),
                               ("remat", REMAT_POLICIES)):
             if getattr(self, name) not in allowed:

@@ -389,6 +389,7 @@ def from_pretrained(
     scan_layers: bool = False,
     remat: str = "none",
     moe_capacity_factor: float | None = None,
+    moe_chunk_tokens: int | None = None,
 ) -> GlmForCausalLM:
     """Loads an HF GLM-5 / DeepSeek-V3.2 checkpoint directory (config.json + safetensors).
 
@@ -398,13 +399,14 @@ def from_pretrained(
     transformers writes them) gives a model without MTP. With a mesh, each parameter is
     placed in the sharding the logical rules give it (`sharding.current_rules()`), and
     each process reads only the slices its devices hold. scan_layers, remat,
-    moe_capacity_factor: how the model runs (ModelConfig); scanned, each layer's tensors
-    fill one row of its group's stacks.
+    moe_capacity_factor, moe_chunk_tokens: how the model runs (ModelConfig); scanned, each
+    layer's tensors fill one row of its group's stacks.
     """
     path = os.fspath(path)
     reader = Reader(path)
     config = ModelConfig.from_hf(path, dtype=dtype, param_dtype=dtype, kernel_impl=kernel_impl,
-                                 scan_layers=scan_layers, remat=remat, moe_capacity_factor=moe_capacity_factor)
+                                 scan_layers=scan_layers, remat=remat, moe_capacity_factor=moe_capacity_factor,
+                                 moe_chunk_tokens=moe_chunk_tokens)
     mtp_names = {n for n in reader.names() if n.startswith(_mtp_prefix(config))}
     if not mtp_names and config.num_nextn_predict_layers:
         log.warning("%s has no MTP tensors (%s*): loading the model without its MTP layer", path,

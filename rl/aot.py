@@ -12,8 +12,10 @@ MaxText's train_compile does. The roles, each built the way rl/trainer.py builds
 
   learner_step    rl/learner.py's jitted steps of one `Learner.step` on a batch of
                   rl.batch_size x task.max_len: the critic phase (values, advantages and
-                  rl.critic_steps updates), the actor step (with the KL reference model
-                  when rl.kl_coef > 0) and, with rl.mtp_lr > 0, the MTP step. They run one
+                  the first critic update), each further critic update (rl.critic_steps > 1,
+                  one program run again), the actor step (with the KL reference model
+                  when rl.kl_coef > 0; updating the policy in place where the engine
+                  decodes from a copy of it) and, with rl.mtp_lr > 0, the MTP step. They run one
                   after another on the same devices, so the role's bytes are
                   max over steps (the step's argument + output + temp - alias bytes, plus
                   the persistent state it does not take) where the persistent state is the
@@ -190,16 +192,32 @@ def learner_programs(job, layout: Layout):
     bytes_of = lambda *objs: per_device_bytes([nnx.state(o) for o in objs if o is not None])  # noqa: E731
     programs = []
     if critic is not None:
+        clipped = rl_learner.ALGORITHMS[rl.algorithm].clipped_value
         programs.append(Program("critic_phase", lambda: rl_learner._critic_phase.lower(
-            critic, critic_opt, batch, weights, alpha=rl.alpha, gamma=rl.gamma, steps=rl.critic_steps,
-            clipped=rl_learner.ALGORITHMS[rl.algorithm].clipped_value), bytes_of(critic, critic_opt)))
-    programs.append(Program("actor_step", lambda: rl_learner._actor_step.lower(
+            critic, critic_opt, batch, weights, alpha=rl.alpha, gamma=rl.gamma, update=rl.critic_steps > 0,
+            clipped=clipped), bytes_of(critic, critic_opt)))
+        if rl.critic_steps > 1:
+            programs.append(Program("critic_update", lambda: rl_learner._critic_update.lower(
+                critic, critic_opt, batch, weights, weights, clipped=clipped), bytes_of(critic, critic_opt)))
+    # as rl/trainer.py builds it: the policy updated in place where the engine decodes from copies
+    actor = rl_learner._actor_step_in_place if engine_copies(policy, layout) else rl_learner._actor_step
+    programs.append(Program("actor_step", lambda: actor.lower(
         policy, actor_opt, reference, batch, weights, weights, None, rl=rl, distill=None),
         bytes_of(policy, actor_opt, reference)))
     if mtp_opt is not None:
         programs.append(Program("mtp_step", lambda: rl_learner._mtp_step.lower(
             policy, mtp_opt, batch.tokens, batch.action_mask), bytes_of(policy, mtp_opt)))
     return programs, persistent
+
+
+def engine_copies(policy, layout: Layout) -> bool:
+    """Whether the engine's parameters are a copy of the learner's (rl/engine/weights.py:
+    WeightStore.copies): its split or devices differ."""
+    state = nnx.state(policy)
+    learner = sharding.param_shardings(state, layout.mesh, layout.rules)
+    engine = sharding.param_shardings(state, layout.engine_mesh, layout.engine_rules)
+    return any(not a.is_equivalent_to(b, x.ndim) for a, b, x in zip(jax.tree.leaves(learner), jax.tree.leaves(engine),
+                                                                      jax.tree.leaves(state)))
 
 
 def learner_batch(rows: int, length: int, mesh, rules):

@@ -135,7 +135,8 @@ def load_checkpoint(path: str, model_config, mesh=None) -> glmjax.GlmForCausalLM
     (the job's config was read from its config.json), sharded by the ambient rules with a mesh."""
     return glmjax.from_pretrained(path, dtype=model_config.dtype, mesh=mesh, kernel_impl=model_config.kernel_impl,
                                   scan_layers=model_config.scan_layers, remat=model_config.remat,
-                                  moe_capacity_factor=model_config.moe_capacity_factor)
+                                  moe_capacity_factor=model_config.moe_capacity_factor,
+                                  moe_chunk_tokens=model_config.moe_chunk_tokens)
 
 
 def supervised(model: glmjax.GlmForCausalLM, ids, mask, sft: BaseConfig, desc: str = "SFT",

@@ -362,7 +362,8 @@ class EvalConfig:
         return [int(k) for k in str(self.ks).split(",") if k.strip()]
 
 
-RUNTIME_FIELDS = ("dtype", "param_dtype", "kernel_impl", "moe_capacity_factor", "scan_layers", "remat")
+RUNTIME_FIELDS = ("dtype", "param_dtype", "kernel_impl", "moe_capacity_factor", "moe_chunk_tokens",
+                  "scan_layers", "remat")
 
 
 def _model(cfg, checkpoint: str = "") -> ModelConfig:

@@ -132,11 +132,7 @@ def _actor_grads(policy, batch, advantages, weights, rl, reference=None, teacher
     return grads, dict(aux, grad_norm=optax.tree.norm(grads), finite=finite)
 
 
-# The optimizer states are donated: a step's new moments take the old ones' memory (at GLM-5's
-# size, 2 bytes x 2 moments per parameter per device). The parameters are not: the engine may
-# decode from the very arrays a step reads (publishing is a reference swap).
-@functools.partial(nnx.jit, static_argnames=("rl", "distill"), donate_argnames=("optimizer",))
-def _actor_step(policy, optimizer, reference, batch, advantages, weights, teacher, rl, distill):
+def _actor_update(policy, optimizer, reference, batch, advantages, weights, teacher, rl, distill):
     """Step 4 in one call: the objective's gradients (with a `reference` model, its KL term
     too; with a `teacher`, the distillation term), applied only when the loss and every
     gradient are finite (aux["finite"] says whether they were)."""
@@ -146,6 +142,15 @@ def _actor_step(policy, optimizer, reference, batch, advantages, weights, teache
     grads, aux = _actor_grads(policy, batch, advantages, weights, rl, reference, teacher, distill)
     nnx.cond(aux["finite"], update, lambda p, o, g: None, policy, optimizer, grads)
     return aux
+
+
+# The optimizer states are donated: a step's new moments take the old ones' memory (at GLM-5's
+# size, 2 bytes x 2 moments per parameter per device). The parameters are donated only where
+# nothing else holds them (`Learner(donate_policy=True)`): where the engine decodes from the very
+# arrays a step reads (publishing is a reference swap), they must outlive the step.
+_actor_step = nnx.jit(_actor_update, static_argnames=("rl", "distill"), donate_argnames=("optimizer",))
+_actor_step_in_place = nnx.jit(_actor_update, static_argnames=("rl", "distill"),
+                               donate_argnames=("policy", "optimizer"))
 
 
 def _critic_step(critic, optimizer, batch, returns, weights, clipped, targets=None):
@@ -171,23 +176,29 @@ def _critic_step(critic, optimizer, batch, returns, weights, clipped, targets=No
     return aux
 
 
-@functools.partial(nnx.jit, static_argnames=("alpha", "gamma", "steps", "clipped"), donate_argnames=("optimizer",))
-def _critic_phase(critic, optimizer, batch, weights, alpha, gamma, steps, clipped):
-    """Steps 1-3 in one call: the critic's values (a snapshot before any update), the
-    advantages and returns from them, then `steps` critic updates on those fixed returns;
-    the first update's forward is the snapshot's. Returns (advantages, values, aux of the
-    last critic step)."""
+# The critic's parameters are the learner's alone: donated with its optimizer states. Each
+# update is a program of its own, one forward and backward: the phase's peak is one update's.
+@functools.partial(nnx.jit, static_argnames=("alpha", "gamma", "update", "clipped"),
+                   donate_argnames=("critic", "optimizer"))
+def _critic_phase(critic, optimizer, batch, weights, alpha, gamma, update, clipped):
+    """Steps 1-2 and the first update of step 3 in one call: the critic's values (a
+    snapshot before any update), the advantages and returns from them, then (`update`) one
+    critic update toward those returns, whose forward is the snapshot's. Returns
+    (advantages, values, returns, aux of the update)."""
     targets = lambda b: sao.sao_advantages(b, alpha=alpha, gamma=gamma)  # noqa: E731
-    if steps < 1:
+    if not update:
         batch = batch._replace(values=critic(batch.tokens))
-        adv, _ = targets(batch)
-        return adv, batch.values, {}
+        adv, returns = targets(batch)
+        return adv, batch.values, returns, {}
     aux = _critic_step(critic, optimizer, batch, None, weights, clipped, targets=targets)
     adv, returns, values = aux.pop("advantages"), aux.pop("returns"), aux.pop("values")
-    batch = batch._replace(values=values)
-    for _ in range(steps - 1):
-        aux = _critic_step(critic, optimizer, batch, returns, weights, clipped)
-    return adv, values, aux
+    return adv, values, returns, aux
+
+
+@functools.partial(nnx.jit, static_argnames=("clipped",), donate_argnames=("critic", "optimizer"))
+def _critic_update(critic, optimizer, batch, returns, weights, clipped):
+    """Each further update of step 3, toward the phase's fixed returns."""
+    return _critic_step(critic, optimizer, batch, returns, weights, clipped)
 
 
 @functools.partial(nnx.jit, donate_argnames=("optimizer",))
@@ -218,13 +229,16 @@ class Learner:
 
     def __init__(self, policy: GlmForCausalLM, critic: ValueModel | None, rl: RLConfig, *,
                  external_advantages: bool = False, distill: Distillation | None = None, actor_lr=None,
-                 mesh: jax.sharding.Mesh | None = None):
+                 mesh: jax.sharding.Mesh | None = None, donate_policy: bool = False):
         """external_advantages: the caller passes `advantages` to every `step` (on-policy
         distillation, rl/distill/), so no value model is needed or trained. distill: the
         distribution-level KL to a teacher that every `step(..., teacher=...)` adds to the
         loss. actor_lr: an optax schedule in place of `rl.actor_lr`. mesh: the one the
         policy and critic are sharded on; each batch (host arrays, the same in every
-        process) becomes global arrays split by rows over its batch axes."""
+        process) becomes global arrays split by rows over its batch axes. donate_policy:
+        the actor step updates the policy's arrays in place (their memory reused for the
+        new ones), for a caller that holds no other reference to them (rl/trainer.py: an
+        engine that decodes from copies); by default the old arrays outlive the step."""
         if not isinstance(rl, RLConfig):
             raise TypeError(f"Learner takes an RLConfig (rl/config.py), got {type(rl).__name__}")
         self.algorithm = ALGORITHMS[rl.algorithm]
@@ -254,6 +268,7 @@ class Learner:
             self.mtp_opt = _optimizer(policy, rl.mtp_lr, clip, _MTP_PARAMS)
         self.external_advantages = external_advantages
         self.mesh = mesh
+        self.donate_policy = donate_policy
         self._bound = None
         self.steps = 0
         self.skipped = 0
@@ -264,9 +279,11 @@ class Learner:
         module graphs are walked once, not at every call, which on a small model costs more
         than the step's arithmetic. Variables are shared, so restores and updates show."""
         if self._bound is None:
-            fns = {"actor_step": nnx.cached_partial(_actor_step, self.policy, self.actor_opt, self.reference)}
+            actor = _actor_step_in_place if self.donate_policy else _actor_step
+            fns = {"actor_step": nnx.cached_partial(actor, self.policy, self.actor_opt, self.reference)}
             if self.critic is not None:
                 fns["critic_phase"] = nnx.cached_partial(_critic_phase, self.critic, self.critic_opt)
+                fns["critic_update"] = nnx.cached_partial(_critic_update, self.critic, self.critic_opt)
             if self.mtp_opt is not None:
                 fns["mtp_step"] = nnx.cached_partial(_mtp_step, self.policy, self.mtp_opt)
             self._bound = fns
@@ -301,10 +318,12 @@ class Learner:
         if advantages is not None:
             adv = place(np.asarray(advantages, np.float32))
         elif self.critic is not None:
-            adv, values, aux = self._fns["critic_phase"](
-                batch, weights, alpha=rl.alpha, gamma=rl.gamma, steps=rl.critic_steps,
-                clipped=self.algorithm.clipped_value)
+            clipped = self.algorithm.clipped_value
+            adv, values, returns, aux = self._fns["critic_phase"](
+                batch, weights, alpha=rl.alpha, gamma=rl.gamma, update=rl.critic_steps > 0, clipped=clipped)
             batch = batch._replace(values=values)
+            for _ in range(rl.critic_steps - 1):
+                aux = self._fns["critic_update"](batch, returns, weights, clipped=clipped)
             metrics.update(aux)
         else:
             if group_ids is None:

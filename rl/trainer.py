@@ -163,9 +163,11 @@ class Loop:
         self.critic = ValueModel(self._critic_trunk()) if rl.uses_critic else None
         if self.critic is not None and mesh is not None:  # its head, made on one device, joins the mesh
             self.critic = sharding.shard_model(self.critic, mesh)
-        self.learner = Learner(self.policy, self.critic, rl, mesh=mesh)
         self.engine = _engine(job, self.policy, mesh)
         self.store = self.engine.weights
+        # an engine that decodes from copies leaves the policy's arrays to the learner alone
+        self.learner = Learner(self.policy, self.critic, rl, mesh=mesh,
+                               donate_policy=self.store.copies(nnx.state(self.policy)))
         _describe_placement(job, self.engine, mesh)
         self.driver = Driver(self.engine)
         self.compaction = rl_tasks.compaction(job)

@@ -21,6 +21,13 @@ MaxText's ragged exchange):
      a split F are added with psum over `tensor`;
   5. exchange back into each source's send order, unsort, and sum weight * output per token.
 
+Every reordering is a gather by a permutation whose backward is the gather by its inverse
+(`_permute`): no scatter of rows, forward or backward (a TPU scatter of bf16 rows runs on
+32-bit copies of its operand). With `chunk_tokens`, a device's tokens go through steps
+1-5 in chunks of that many (`lax.map`, each chunk rematerialised in the backward), so the
+exchange buffers are those of one chunk: R and M below are per chunk, and the capacity
+bounds each chunk's received copies.
+
 R = ceil(c * M) for a capacity factor c (about c times the routed-copy FLOPs, which the
 grouped matmul counts by its static row count); c = None sizes R for the worst case
 (every copy of the group on one device, R = n_ep * M) and never drops.
@@ -110,9 +117,55 @@ def _padded_ragged_all_to_all(operand, output, input_offsets, send_sizes, output
     return output.at[dest.reshape(-1)].set(recv.reshape(-1, recv.shape[-1]), mode="drop")
 
 
-def _dispatch_compute_combine(x, experts, weights, gate, up, down, *, axes, rows, ragged, split_hidden):
+@jax.custom_vjp
+def _permute(x: jax.Array, index: jax.Array, inverse: jax.Array) -> jax.Array:
+    """x[index] for a permutation `index` of x's rows, `inverse` its inverse; the backward
+    is g[inverse], a gather like the forward (autodiff of x[index] scatter-adds)."""
+    return x.at[index].get(mode="promise_in_bounds", unique_indices=True)
+
+
+def _permute_fwd(x, index, inverse):
+    return _permute(x, index, inverse), inverse
+
+
+def _permute_bwd(inverse, g):
+    return g.at[inverse].get(mode="promise_in_bounds", unique_indices=True), None, None
+
+
+_permute.defvjp(_permute_fwd, _permute_bwd)
+
+
+def _inverse(index: jax.Array) -> jax.Array:
+    """The inverse of a permutation [M] (an int32 scatter of M entries)."""
+    return jnp.zeros_like(index).at[index].set(jnp.arange(index.shape[0], dtype=index.dtype))
+
+
+def _dispatch_compute_combine(x, experts, weights, gate, up, down, *, axes, capacity_factor, ragged, split_hidden,
+                              chunk_tokens):
     """Per device: x [n, D], experts / weights [n, X] (expert E marks a padding copy), local
-    gate / up [J, D, F_l], down [J, F_l, D] -> (y [n, D], kept [n, X])."""
+    gate / up [J, D, F_l], down [J, F_l, D] -> (y [n, D], kept [n, X]), in chunks of at
+    most `chunk_tokens` tokens (None: one)."""
+    n, k = experts.shape
+    chunks = 1 if chunk_tokens is None else -(-n // chunk_tokens)
+    group = jax.lax.axis_size(axes)
+    one = lambda x, ex, w: _exchange(x, ex, w, gate, up, down, axes=axes, ragged=ragged,  # noqa: E731
+                                     rows=receive_rows(x.shape[0] * k, group, capacity_factor),
+                                     split_hidden=split_hidden)
+    if chunks == 1:
+        return one(x, experts, weights)
+    pad = -n % chunks
+    if pad:  # padding copies (expert E) are never sent
+        x = jnp.pad(x, ((0, pad), (0, 0)))
+        experts = jnp.pad(experts, ((0, pad), (0, 0)), constant_values=gate.shape[0] * group)
+        weights = jnp.pad(weights, ((0, pad), (0, 0)))
+    split = lambda a: a.reshape(chunks, -1, *a.shape[1:])  # noqa: E731
+    y, kept = jax.lax.map(jax.checkpoint(lambda c: one(*c), prevent_cse=False), (split(x), split(experts),
+                                                                                split(weights)))
+    return y.reshape(-1, y.shape[-1])[:n], kept.reshape(-1, k)[:n]
+
+
+def _exchange(x, experts, weights, gate, up, down, *, axes, rows, ragged, split_hidden):
+    """Steps 1-5 for one chunk: x [n, D], experts / weights [n, X] -> (y [n, D], kept [n, X])."""
     exchange = jax.lax.ragged_all_to_all if ragged else _padded_ragged_all_to_all
     n_ep, me = jax.lax.axis_size(axes), jax.lax.axis_index(axes)
     j_local = gate.shape[0]
@@ -121,7 +174,8 @@ def _dispatch_compute_combine(x, experts, weights, gate, up, down, *, axes, rows
     flat = experts.reshape(-1)  # [M] global expert of each copy
     # 1. copies by (destination, local expert); padding copies (expert E) last, never sent
     order = jnp.argsort(flat, stable=True)
-    send = x[order // k]  # [M, D]
+    inv_order = _inverse(order)
+    send = _permute(jnp.repeat(x, k, axis=0), order, inv_order)  # [M, D]
     counts = jnp.zeros((n_ep * j_local,), jnp.int32).at[flat].add(1, mode="drop").reshape(n_ep, j_local)  # [T, J]
     all_counts = jax.lax.all_gather(counts, axes)  # [S, T, J]
     demand = all_counts.sum(-1)  # [S, T]
@@ -138,24 +192,26 @@ def _dispatch_compute_combine(x, experts, weights, gate, up, down, *, axes, rows
     block = jnp.searchsorted(jnp.cumsum(kept_by_expert.reshape(-1)), jnp.arange(rows), side="right")  # [R]
     local = jnp.where(block < n_ep * j_local, block % j_local, j_local)  # j_local: an empty row
     perm = jnp.argsort(local, stable=True)
-    y_sorted = swiglu_grouped(recv[perm], kept_by_expert.sum(0), gate, up, down)  # [R, D]
+    inv_perm = _inverse(perm)
+    y_sorted = swiglu_grouped(_permute(recv, perm, inv_perm), kept_by_expert.sum(0), gate, up, down)  # [R, D]
     if split_hidden:
         y_sorted = jax.lax.psum(y_sorted, "tensor")
-    y_recv = jnp.zeros_like(y_sorted).at[perm].set(y_sorted)
+    y_recv = _permute(y_sorted, inv_perm, perm)
     # 5. back to each source, at the offsets it sent from; dropped copies stay zero
     back = exchange(y_recv, jnp.zeros((n * k, d), y_recv.dtype), recv_start[:, me], kept[:, me], send_start[:, me],
                     kept[me], axis_name=axes)  # [M, D] in send order
-    copies = jnp.zeros_like(back).at[order].set(back).reshape(n, k, d)
+    copies = _permute(back, inv_order, order).reshape(n, k, d)
     dest = jnp.minimum(flat[order] // j_local, n_ep - 1)
     sent = (flat[order] < n_ep * j_local) & (jnp.arange(n * k) - send_start[me][dest] < kept[me][dest])
     kept_copy = jnp.zeros((n * k,), bool).at[order].set(sent).reshape(n, k)
     return jnp.einsum("NXD,NX->ND", copies, weights.astype(copies.dtype)), kept_copy
 
 
-def experts_forward(x, experts, weights, gate, up, down, *, capacity_factor=None):
+def experts_forward(x, experts, weights, gate, up, down, *, capacity_factor=None, chunk_tokens=None):
     """x [N, D], experts / weights [N, X], gate / up [E, D, F], down [E, F, D] ->
     (y [N, D], kept [N, X]: False for a copy dropped by the capacity), computed with the
-    experts split over the ambient mesh's EP group (`ep_axes`).
+    experts split over the ambient mesh's EP group (`ep_axes`), each device's tokens in
+    chunks of at most `chunk_tokens` (None: all at once).
 
     N need not divide over the token axes (a decode step of a few rows, a prefill of one
     sequence): the tokens are padded to a multiple with copies that are never sent."""
@@ -165,14 +221,12 @@ def experts_forward(x, experts, weights, gate, up, down, *, capacity_factor=None
     if not axes:
         raise ValueError(f"expert parallelism needs a mesh whose rules split the {e} experts over token axes "
                          f"{TOKEN_AXES}; found mesh {dict(mesh.shape)} with experts split over none")
-    group = math.prod(mesh.shape[a] for a in axes)
     tokens_axes = _token_axes(mesh)
     n, pad = x.shape[0], -x.shape[0] % math.prod(mesh.shape[a] for a in tokens_axes)
     if pad:
         x = jnp.pad(x, ((0, pad), (0, 0)))
         experts = jnp.pad(experts, ((0, pad), (0, 0)), constant_values=e)
         weights = jnp.pad(weights, ((0, pad), (0, 0)))
-    copies = x.shape[0] // math.prod(mesh.shape[a] for a in tokens_axes) * experts.shape[1]
     tokens = P(tokens_axes or None, None)
     f = gate.shape[-1]
     split_hidden = mesh.shape["tensor"] > 1 and f % mesh.shape["tensor"] == 0
@@ -180,8 +234,8 @@ def experts_forward(x, experts, weights, gate, up, down, *, capacity_factor=None
     owner = axes[0] if len(axes) == 1 else axes
     fn = jax.shard_map(
         lambda *a: _dispatch_compute_combine(
-            *a, axes=axes, rows=receive_rows(copies, group, capacity_factor), ragged=platform() != "cpu",
-            split_hidden=split_hidden),
+            *a, axes=axes, capacity_factor=capacity_factor, ragged=platform() != "cpu", split_hidden=split_hidden,
+            chunk_tokens=chunk_tokens),
         in_specs=(tokens, tokens, tokens, P(owner, None, hidden), P(owner, None, hidden), P(owner, hidden, None)),
         out_specs=(tokens, tokens),
         check_vma=False,

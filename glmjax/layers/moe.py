@@ -12,7 +12,8 @@ The experts run as one grouped matmul (layers/gmm.py) over the token copies sort
 expert: no capacity, no dropped tokens, and no [N, E] dense compute. On a mesh whose rules
 split the experts over devices, the copies are exchanged with the experts' owners instead
 (layers/expert_parallel.py); there `moe_capacity_factor` bounds each device's received
-copies and drops the overflow.
+copies and drops the overflow, and `moe_chunk_tokens` exchanges a device's tokens in
+chunks of that many.
 """
 
 from __future__ import annotations
@@ -119,7 +120,8 @@ class MoE(nnx.Module):
             ex, dt = self.experts, x.dtype
             y, _ = expert_parallel.experts_forward(  # the kept mask: layers/expert_parallel.py
                 flat, routing.experts, routing.weights, ex.gate[...].astype(dt), ex.up[...].astype(dt),
-                ex.down[...].astype(dt), capacity_factor=self.config.moe_capacity_factor)
+                ex.down[...].astype(dt), capacity_factor=self.config.moe_capacity_factor,
+                chunk_tokens=self.config.moe_chunk_tokens)
         else:
             y = self.experts(flat, routing)
         y = y.reshape(x.shape)

@@ -142,9 +142,12 @@ class WeightStore:
     def _place(self, state: Any) -> Any:
         """`state` itself when the store has no shardings or the state already has them;
         otherwise its copy in them."""
-        if self.shardings is None or has_shardings(state, self.shardings):
-            return state
-        return reshard(state, self.shardings)
+        return reshard(state, self.shardings) if self.copies(state) else state
+
+    def copies(self, state: Any) -> bool:
+        """Whether publishing `state` stores a copy of it (resharded), not its arrays: then
+        the publisher may update those arrays in place (rl/learner.py: donate_policy)."""
+        return self.shardings is not None and not has_shardings(state, self.shardings)
 
     def publish(self, state: Any, version: int | None = None) -> int:
         """Makes `state` the newest weights: by reference in the store's shardings (or

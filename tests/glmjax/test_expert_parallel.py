@@ -38,24 +38,27 @@ def _value_and_grads(forward, x, experts, weights, gate, up, down, probe):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))(x, weights, gate, up, down)
 
 
-def _on_mesh(mesh, x, experts, weights, gate, up, down, probe, capacity_factor):
+def _on_mesh(mesh, x, experts, weights, gate, up, down, probe, capacity_factor, chunk_tokens=None):
     """The EP layer with the expert stacks placed as the rules place them."""
     spec = lambda names, a: NamedSharding(mesh, sharding.logical_spec(names, a.shape, mesh=mesh))  # noqa: E731
     gate, up = (jax.device_put(w, spec(("experts", "embed", "mlp"), w)) for w in (gate, up))
     down = jax.device_put(down, spec(("experts", "mlp", "embed"), down))
     with sharding.use_mesh(mesh):
-        ep = lambda *a: expert_parallel.experts_forward(*a, capacity_factor=capacity_factor)[0]  # noqa: E731
+        ep = lambda *a: expert_parallel.experts_forward(*a, capacity_factor=capacity_factor,  # noqa: E731
+                                                        chunk_tokens=chunk_tokens)[0]
         return _value_and_grads(ep, x, experts, weights, gate, up, down, probe)
 
 
 # (expert 2, fsdp 4): one EP group of 8, two experts per device; (data 2, expert 2, tensor 2):
-# EP over `expert` with F split over `tensor`. 60 tokens do not divide over 8 devices (padding).
+# EP over `expert` with F split over `tensor`. 60 tokens do not divide over 8 devices (padding);
+# chunks of 3 tokens do not divide a device's 8 or 15 (padded chunks, rematerialised in the backward).
 @pytest.mark.parametrize("axes", [dict(fsdp=4, expert=2), dict(data=2, expert=2, tensor=2)], ids=str)
-@pytest.mark.parametrize("capacity_factor", [None, 8.0])
-def test_forward_and_gradients_equal_one_device(axes, capacity_factor):
+@pytest.mark.parametrize("capacity_factor,chunk_tokens", [(None, None), (8.0, None), (None, 3), (8.0, 3)])
+def test_forward_and_gradients_equal_one_device(axes, capacity_factor, chunk_tokens):
     problem = _problem(60)
     want_value, want_grads = _value_and_grads(swiglu_experts, *problem)
-    value, grads = _on_mesh(glmjax.make_mesh(**axes), *problem, capacity_factor=capacity_factor)
+    value, grads = _on_mesh(glmjax.make_mesh(**axes), *problem, capacity_factor=capacity_factor,
+                            chunk_tokens=chunk_tokens)
     np.testing.assert_allclose(float(value), float(want_value), rtol=1e-5)
     for name, got, want in zip(("x", "weights", "gate", "up", "down"), grads, want_grads):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5, err_msg=name)
