@@ -231,7 +231,7 @@ def layer_activations(c: ModelConfig, layer: int | None, tokens: float, seq: int
     ep = 0.0
     if moe:
         x, f = c.num_experts_per_tok, c.moe_intermediate_size / sizes["tensor"]
-        copies = tokens * x
+        copies = min(tokens, c.moe_chunk_tokens or tokens) * x  # one exchange's (moe_chunk_tokens)
         matmuls += 2 * c.shared_intermediate_size / sizes["tensor"] + c.n_routed_experts * 4 / act
         # layers/expert_parallel.py: experts split over expert x fsdp (over expert alone when E
         # does not divide); a device receives at most capacity x its copies, or without a

@@ -30,7 +30,9 @@ cannot hold a model of GLM-5's size); in the rules `rl.engine_rules` names.
 
 Per role the JSON holds `bytes_per_device` (compiled memory analysis),
 `planned_bytes_per_device` (rl/job_plan.py: role_bytes, the same layout),
-`flops_per_device` and `bytes_accessed_per_device` (compiled cost analysis),
+`flops_per_device` (the compiled program's matmul FLOPs, each loop body counted once per
+trip: rl/hlo_flops.py; XLA's own cost analysis, which counts a loop body once, is kept as
+`xla_cost_analysis_flops_per_device`), `bytes_accessed_per_device` (cost analysis),
 `analytic_flops_per_device` (`analytic_flops`: the model's matmul FLOPs), the roofline
 seconds on the chip's figures, and the compile seconds. `spmd_warnings` counts XLA's
 "Involuntary full rematerialization" lines (a sharding the partitioner could only meet by
@@ -59,7 +61,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from glmjax import cli, distributed, sharding
 from glmjax.config import ModelConfig
 from glmjax.model import GlmForCausalLM
-from rl import job_plan
+from rl import hlo_flops, job_plan
 
 GiB = 2 ** 30
 REMAT_WARNING = "Involuntary full rematerialization"
@@ -175,6 +177,7 @@ class Program:
     name: str
     lower: callable  # () -> jax.stages.Lowered
     persistent_args: int  # per-device bytes of the persistent state among its arguments
+    runs: int = 1  # times the role runs it (its FLOPs count that many times)
 
 
 def learner_programs(job, layout: Layout):
@@ -198,7 +201,8 @@ def learner_programs(job, layout: Layout):
             clipped=clipped), bytes_of(critic, critic_opt)))
         if rl.critic_steps > 1:
             programs.append(Program("critic_update", lambda: rl_learner._critic_update.lower(
-                critic, critic_opt, batch, weights, weights, clipped=clipped), bytes_of(critic, critic_opt)))
+                critic, critic_opt, batch, weights, weights, clipped=clipped), bytes_of(critic, critic_opt),
+                runs=rl.critic_steps - 1))
     # as rl/trainer.py builds it: the policy updated in place where the engine decodes from copies
     actor = rl_learner._actor_step_in_place if engine_copies(policy, layout) else rl_learner._actor_step
     programs.append(Program("actor_step", lambda: actor.lower(
@@ -412,6 +416,7 @@ def compile_program(program: Program) -> dict:
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    matmuls = hlo_flops.matmul_flops(compiled.as_text())
     # a full-size program's compile holds gigabytes of host memory: let it go before the next
     del compiled
     jax.clear_caches()
@@ -421,7 +426,9 @@ def compile_program(program: Program) -> dict:
     return {"name": program.name, "bytes_per_device": int(nbytes), "argument_bytes": int(mem.argument_size_in_bytes),
             "output_bytes": int(mem.output_size_in_bytes), "temp_bytes": int(mem.temp_size_in_bytes),
             "alias_bytes": int(mem.alias_size_in_bytes), "persistent_argument_bytes": int(program.persistent_args),
-            "flops_per_device": float(cost.get("flops", 0.0)),
+            "runs": program.runs, "flops_per_device": matmuls.flops,
+            "xla_cost_analysis_flops_per_device": float(cost.get("flops", 0.0)),
+            "unknown_trip_counts": len(matmuls.unknown_trip_counts),
             "bytes_accessed_per_device": float(cost.get("bytes accessed", 0.0)), "compile_seconds": seconds,
             "spmd_warnings": log[0].count(REMAT_WARNING)}
 
@@ -438,8 +445,8 @@ def _refused(program: Program, message: str, seconds: float, log: str) -> dict:
     temp = int(float(found.group(1)) * _UNITS[found.group(2)]) if found else 0
     return {"name": program.name, "bytes_per_device": temp + int(program.persistent_args), "argument_bytes": 0,
             "output_bytes": 0, "temp_bytes": temp, "alias_bytes": 0,
-            "persistent_argument_bytes": int(program.persistent_args), "flops_per_device": 0.0,
-            "bytes_accessed_per_device": 0.0, "compile_seconds": seconds, "spmd_warnings": log.count(REMAT_WARNING),
+            "persistent_argument_bytes": int(program.persistent_args), "runs": program.runs, "flops_per_device": 0.0,
+            "xla_cost_analysis_flops_per_device": 0.0, "unknown_trip_counts": 0, "bytes_accessed_per_device": 0.0, "compile_seconds": seconds, "spmd_warnings": log.count(REMAT_WARNING),
             "compile_error": message.strip().splitlines()[0][:500]}
 
 
@@ -451,8 +458,10 @@ def combine(steps: list[dict], persistent: int) -> dict:
             "bytes_combined_as": "max over steps of (argument + output + temp - alias) + persistent bytes not "
                                  "among that step's arguments; steps run one after another",
             "persistent_bytes_per_device": int(persistent),
-            "flops_per_device": sum(s["flops_per_device"] for s in steps),
-            "bytes_accessed_per_device": sum(s["bytes_accessed_per_device"] for s in steps),
+            "flops_per_device": sum(s["flops_per_device"] * s["runs"] for s in steps),
+            "xla_cost_analysis_flops_per_device": sum(s["xla_cost_analysis_flops_per_device"] * s["runs"]
+                                                      for s in steps),
+            "bytes_accessed_per_device": sum(s["bytes_accessed_per_device"] * s["runs"] for s in steps),
             "compile_seconds": sum(s["compile_seconds"] for s in steps),
             "spmd_warnings": sum(s["spmd_warnings"] for s in steps), "steps": steps}
 
@@ -496,7 +505,9 @@ def run_role(name: str, job, layout: Layout, chip: Chip, args) -> dict:
     with sharding.use_mesh(mesh, rules), jax.default_matmul_precision("default"):
         result = combine([compile_program(p) for p in programs], persistent)
     devices = mesh.size
-    planned = job_plan.role_bytes(job, dict(mesh.shape), name, shape, rules=rules)
+    in_place = name == "learner_step" and engine_copies(
+        nnx.eval_shape(lambda: GlmForCausalLM(job.model, rngs=nnx.Rngs(params=0))), layout)
+    planned = job_plan.role_bytes(job, dict(mesh.shape), name, shape, rules=rules, policy_in_place=in_place)
     analytic = analytic_flops(job, name, devices, prefill=(shape.get("rows", 1), shape.get("length", 1)))
     result.update(
         planned_bytes_per_device=int(planned["total"]), planned=planned,

@@ -57,15 +57,17 @@ def _state_bytes(obj, sizes, mesh, rules, wrt=None) -> float:
     return plan._per_device(state, sizes, mesh, rules)[1]
 
 
-def role_bytes(job, mesh_sizes: dict[str, int], role: str, shape: dict, *, rules=None, objects=None) -> dict:
+def role_bytes(job, mesh_sizes: dict[str, int], role: str, shape: dict, *, rules=None, objects=None,
+               policy_in_place: bool = False) -> dict:
     """Planned per-device bytes of one role of the RL job (`job`: rl/config.py JobConfig)
     on a mesh of `mesh_sizes` under `rules`: its parts and their "total".
 
     learner_step (shape rows, length): the persistent state (exact, from the abstract
     modules: policy, Adam states, reference, critic), then the larger of the two steps'
-    extra bytes (they run one after the other): updated copies of the trained parameters
-    (not donated: the engine may read them; the optimizer states are), the gradients, and
-    the activations (`learner_activations`; the critic's without the LM head).
+    extra bytes (they run one after the other): the gradients, updated copies of the
+    policy's trained parameters unless `policy_in_place` (the engine decodes from copies,
+    so rl/learner.py donates them; the critic's and the optimizer states are always
+    donated), and the activations (`learner_activations`; the critic's without the LM head).
     engine_prefill (rows, length): parameters in the engine's layout, the empty input cache
     on every device, the written cache split per slot, and the forward's working set.
     engine_decode (slots, cache_length, tokens_per_slot): parameters, the decode state
@@ -84,13 +86,14 @@ def role_bytes(job, mesh_sizes: dict[str, int], role: str, shape: dict, *, rules
         rows, seq = shape["rows"], shape["length"]
         actor_trained = b(policy, _POLICY_PARAMS)
         actor_act = plan.learner_activations(c, rows, seq, sizes, logits_chunk=LOGITS_CHUNK)
-        # a step's new parameters beside the old (not donated) and its gradients; the new
-        # optimizer states take the donated old ones' place
-        steps = {"actor_step": 2 * actor_trained + sum(actor_act.values())}
+        # a step's gradients, and its new parameters beside the old unless the old are donated
+        # (the critic's always, the policy's with policy_in_place); the new optimizer states
+        # take the donated old ones' place
+        steps = {"actor_step": (1 if policy_in_place else 2) * actor_trained + sum(actor_act.values())}
         if critic is not None:
             critic_trained = b(critic, critic_opt.wrt)
             critic_act = plan.learner_activations(c, rows, seq, sizes, head=False)
-            steps["critic_phase"] = 2 * critic_trained + sum(critic_act.values())
+            steps["critic_phase"] = critic_trained + sum(critic_act.values())  # and each critic_update
         if mtp_opt is not None:
             steps["mtp_step"] = 2 * b(policy, _MTP_PARAMS) + sum(actor_act.values())
         parts.update(activations=actor_act, step_extra=steps, total=persistent + max(steps.values()))
@@ -147,8 +150,10 @@ def job_roles(cfg, devices_per_host: int) -> dict:
               "engine_decode": {"slots": rl.slots, "cache_length": task.max_len + rl.num_draft,
                                 "tokens_per_slot": 1 + rl.num_draft}}
     del devices_per_host  # the engine spans the slice whatever a host holds
+    # the engine decodes from a copy when its rules or devices are its own: the learner updates in place
+    in_place = engine_rules is not rules or bool(rl.engine_mesh)
     return {role: dict(role_bytes(job, sizes, role, shapes[role],
-                                  rules=rules if role == "learner_step" else engine_rules),
+                                  rules=rules if role == "learner_step" else engine_rules, policy_in_place=in_place),
                        mesh={a: n for a, n in sizes.items() if n > 1}, shape=shapes[role]) for role in ROLES}
 
 

@@ -2,8 +2,25 @@
 
 from __future__ import annotations
 
+import math
+
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+
+def causal_pairs(rows: int, queries: int, keys: int) -> float:
+    """The (query, key) pairs a causal attention over `rows` sequences computes when its
+    `queries` queries are the last of `keys` positions: each sees the keys up to its own
+    (a prefill's queries are all its keys, a decode step's one query sees them all)."""
+    queries = min(queries, keys)
+    return rows * queries * (keys - (queries - 1) / 2)
+
+
+def estimate(flops: float, transcendentals: float, *arrays) -> pl.CostEstimate:
+    """The kernel's cost for XLA's scheduler and cost analysis: its matmul FLOPs, its exps,
+    and the bytes of the operands and results it reads and writes once each."""
+    moved = sum(math.prod(x.shape) * x.dtype.itemsize for x in arrays)
+    return pl.CostEstimate(flops=int(flops), transcendentals=int(transcendentals), bytes_accessed=int(moved))
 
 
 def call(kernel, *, backend: str, name: str, dimension_semantics=None, cost_estimate=None, **kwargs):

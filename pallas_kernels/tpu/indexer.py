@@ -33,7 +33,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import reference
 from pallas_kernels._backend import pad_axis, round_up
-from pallas_kernels.tpu._mosaic import call
+from pallas_kernels.tpu._mosaic import call, causal_pairs, estimate
 
 
 def _mm_nt(a, b):
@@ -96,11 +96,13 @@ def indexer_scores(q, w, k, q_pos, *, block_q: int = 128, block_k: int = 512, ba
         ],
         out_specs=pl.BlockSpec((None, bq, bk), lambda n, r, c, last: (n, r, c)),
     )
+    out = jax.ShapeDtypeStruct((b, tp, sp), jnp.float32)
+    pairs = causal_pairs(b, t, s)  # the key blocks past a query block's last visible one are skipped
     scores = call(
         functools.partial(_scores_kernel, scale=i ** -0.5, query_blocks=nq), backend=backend,
-        name="lightning_indexer_scores", grid_spec=grid_spec,
-        out_shape=jax.ShapeDtypeStruct((b, tp, sp), jnp.float32),
+        name="lightning_indexer_scores", grid_spec=grid_spec, out_shape=out,
         dimension_semantics=("parallel", "parallel", "parallel"),
+        cost_estimate=estimate(2 * pairs * g * (i + 1), 0, q, w, k, out),
     )(last, qg, pad_axis(w.astype(jnp.float32), 1, tp), pad_axis(k, 1, sp), pos[:, :, None])
     return scores[:, :t, :s]
 

@@ -124,8 +124,10 @@ def _forward_kernel(last_ref, full_ref, qc_ref, qr_ref, c_ref, r_ref, pos_ref, o
         lse_ref[...] = jnp.where(seen, m_ref[...] + jnp.log(safe), NEG)
 
 
-def _forward(qc, qr, c, r, pos, last, full, *, scale: float, block_m: int, block_k: int, splits: int, backend: str):
-    """Per-split o [B, splits, M, C] (fp32 when splits > 1) and lse [B, splits, M, 1]."""
+def _forward(qc, qr, c, r, pos, last, full, *, scale: float, block_m: int, block_k: int, splits: int, backend: str,
+             pairs: float):
+    """Per-split o [B, splits, M, C] (fp32 when splits > 1) and lse [B, splits, M, 1]. pairs:
+    the (row, key) pairs the causal mask leaves, for the cost estimate."""
     b, m, cp = qc.shape
     rp = qr.shape[-1]
     row_blocks, key_blocks = m // block_m, c.shape[1] // block_k
@@ -161,6 +163,7 @@ def _forward(qc, qr, c, r, pos, last, full, *, scale: float, block_m: int, block
         ),
         out_shape=[jax.ShapeDtypeStruct((b, splits, m, cp), out_dtype),
                    jax.ShapeDtypeStruct((b, splits, m, 1), jnp.float32)],
+        cost_estimate=_mosaic.estimate(2 * pairs * (2 * cp + rp), pairs, qc, qr, c, r, qc),
     )(last, full, qc, qr, c, r, pos)
 
 
@@ -237,7 +240,7 @@ def _dkv_kernel(last_ref, full_ref, first_ref, qc_ref, qr_ref, c_ref, r_ref, pos
 
 
 def _backward(qc, qr, c, r, pos, last, full, first, o, lse, do, *, scale: float, block_m: int, block_k: int,
-              backend: str):
+              backend: str, pairs: float):
     """dq_c, dq_r (one kernel over grid (B, row blocks, key blocks)) and dc_kv, dk_r (one over
     (B, key blocks, row blocks)). pos, lse and delta are [B, M, 1] for the first and
     lane-dense [B, 1, M] for the second."""
@@ -269,6 +272,8 @@ def _backward(qc, qr, c, r, pos, last, full, first, o, lse, do, *, scale: float,
             scratch_shapes=[pltpu.VMEM((block_m, cp), jnp.float32), pltpu.VMEM((block_m, rp), jnp.float32)],
         ),
         out_shape=[jax.ShapeDtypeStruct(qc.shape, qc.dtype), jax.ShapeDtypeStruct(qr.shape, qr.dtype)],
+        # per pair: the scores again (C + R), dp (C), dq (C + R)
+        cost_estimate=_mosaic.estimate(2 * pairs * (3 * cp + 2 * rp), pairs, qc, qr, c, r, do, qc, qr),
     )(last, full, qc, qr, c, r, pos, do, lse, delta)
 
     def held_row(bi, j, i, last_ref, full_ref, first_ref):  # blind to key block j: hold the first that sees it
@@ -300,6 +305,8 @@ def _backward(qc, qr, c, r, pos, last, full, first, o, lse, do, *, scale: float,
             scratch_shapes=[pltpu.VMEM((block_k, cp), jnp.float32), pltpu.VMEM((block_k, rp), jnp.float32)],
         ),
         out_shape=[jax.ShapeDtypeStruct(c.shape, c.dtype), jax.ShapeDtypeStruct(r.shape, r.dtype)],
+        # per pair: the scores again (C + R), dp (C), dc (2 C), dr (R)
+        cost_estimate=_mosaic.estimate(2 * pairs * (4 * cp + 2 * rp), pairs, qc, qr, c, r, do, c, r),
     )(last, full, first, qc, qr, c, r, dense(pos), do, dense(lse), dense(delta))
     return dq_c, dq_r, dc, dr
 
@@ -307,9 +314,9 @@ def _backward(qc, qr, c, r, pos, last, full, first, o, lse, do, *, scale: float,
 # -- the op ----------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=None)
-def _attention(scale: float, block_m: int, block_k: int, splits: int, backend: str):
+def _attention(scale: float, block_m: int, block_k: int, splits: int, backend: str, pairs: float):
     """The custom-VJP op over padded row-major operands for one static configuration."""
-    blocks = dict(scale=scale, block_m=block_m, block_k=block_k)
+    blocks = dict(scale=scale, block_m=block_m, block_k=block_k, pairs=pairs)
 
     def forward(qc, qr, c, r, pos, last, full):
         o, lse = merge_splits(*_forward(qc, qr, c, r, pos, last, full, splits=splits, backend=backend, **blocks))
@@ -388,6 +395,6 @@ def mla_attention(q_c, q_r, c_kv, k_r, q_pos, *, scale: float, block_m: int = 25
 
     pos = jnp.repeat(jnp.minimum(q_pos.astype(jnp.int32), s - 1), h, axis=1)  # [B, M]
     pos = pad_axis(pos, 1, mp, value=-1)[..., None]  # [B, Mp, 1]
-    op = _attention(float(scale), bm, bk, splits, backend)
+    op = _attention(float(scale), bm, bk, splits, backend, _mosaic.causal_pairs(b, t, s) * h)
     o = op(rows(q_c, cp), rows(q_r, rp), keys(c_kv, cp), keys(k_r, rp), pos, *_block_tables(pos, bm, bk, key_blocks))
     return o[:, :m, :c].reshape(b, t, h, c)

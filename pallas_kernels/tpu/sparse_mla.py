@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels._backend import NEG, pad_axis, round_up
-from pallas_kernels.tpu._mosaic import call
+from pallas_kernels.tpu._mosaic import call, estimate
 
 SUBLANES = 8  # rows of a 32-bit VMEM tile: a DMA lands at a static row of a tile
 
@@ -274,19 +274,27 @@ def _attention(scale: float, block_t: int, block_p: int, backend: str):
         rows = lambda x: pltpu.VMEM((2, block_p // SUBLANES, SUBLANES, x.shape[-1]), jnp.int32)  # noqa: E731
         return [rows(c), rows(r), pltpu.SemaphoreType.DMA((2,))]
 
+    def pairs(qc, qr, idx):
+        """(query head, selected key) pairs and the widths C and R of their dot products."""
+        b, tp, n, h, w = qc.shape
+        return b * tp * h * idx.shape[-1], n * w, n * qr.shape[-1]
+
     def forward(qc, qr, c_kv, k_r, idx, pos):
         b, tp, n, h, _ = qc.shape
         c, r = _words(c_kv), _words(k_r)
         in_specs, tokens = specs(qc, qr, idx)
         lse = jax.ShapeDtypeStruct((b, tp, h, 1), jnp.float32)
+        out = jax.ShapeDtypeStruct(qc.shape, qc.dtype)
+        p, cw, rw = pairs(qc, qr, idx)  # each selected row gathered once per query: scores, then values
         return call(
             functools.partial(_forward_kernel, scale=scale, n=n), backend=backend,
             name="sparse_mla_forward", grid=(b, tp // block_t),
             in_specs=in_specs + [pl.BlockSpec(memory_space=pl.ANY)] * 2,
             out_specs=[tokens(qc), tokens(lse)],
-            out_shape=[jax.ShapeDtypeStruct(qc.shape, qc.dtype), lse],
+            out_shape=[out, lse],
             scratch_shapes=scratch(c, r),
             dimension_semantics=("parallel", "parallel"),
+            cost_estimate=estimate(2 * p * (2 * cw + rw), p, qc, qr, idx, out, lse),
         )(idx, pos, qc, qr, _chunked(idx, block_p), c, r)
 
     @jax.custom_vjp
@@ -308,6 +316,7 @@ def _attention(scale: float, block_t: int, block_p: int, backend: str):
         in_specs, tokens = specs(qc, qr, idx, do, lse, delta)
         acc = lambda x: pltpu.VMEM((n, block_p // SUBLANES, SUBLANES, x.shape[-1]), jnp.float32)  # noqa: E731
         hbm = pl.BlockSpec(memory_space=pl.ANY)
+        p, cw, rw = pairs(qc, qr, idx)  # per pair: the scores again (C + R), dp (C), dc (2 C), dr (R), dq (C + R)
         # idx_s, pos_s, qc, qr, do, lse, delta, idx_v, c, r, dc0, dr0: the accumulators are inputs 10, 11.
         dqc, dqr, dc, dr = call(
             functools.partial(_backward_kernel, scale=scale, n=n), backend=backend,
@@ -319,6 +328,7 @@ def _attention(scale: float, block_t: int, block_p: int, backend: str):
             scratch_shapes=scratch(c, r) + [acc(c), acc(r), pltpu.SemaphoreType.DMA(())],
             input_output_aliases={10: 2, 11: 3},
             dimension_semantics=("arbitrary", "arbitrary"),
+            cost_estimate=estimate(2 * p * (5 * cw + 3 * rw), p, qc, qr, do, idx, dc0, dr0, qc, qr),
         )(idx, pos, qc, qr, do, lse, delta, _chunked(idx, block_p), c, r, dc0, dr0)
         planes = lambda x, like: jnp.moveaxis(x, 1, -1).reshape(like.shape).astype(like.dtype)  # noqa: E731
         return dqc, dqr, planes(dc, c_kv), planes(dr, k_r), None, None

@@ -181,3 +181,25 @@ def test_mtp_step_trains_the_mtp_layer_alone():
     assert max(jax.tree.leaves(moved)) > 0
     with pytest.raises(ValueError, match="num_nextn_predict_layers"):
         learner.Learner(glmjax.init_model(CONFIG), critic, dataclasses.replace(CFG, mtp_lr=1e-3))
+
+
+def test_policy_updated_in_place_equals_the_copying_step():
+    """donate_policy: the same update, its old parameter arrays deleted (their memory reused);
+    by default they outlive the step, as an engine decoding from them needs. The critic's
+    are always the learner's own."""
+    batch = _batch()
+    results = {}
+    for donate in (False, True):
+        policy, critic = _models()
+        old = [x for x in jax.tree.leaves(nnx.state(policy, nnx.Param))]
+        old_critic = jax.tree.leaves(nnx.state(critic, nnx.Param))
+        lrn = learner.Learner(policy, critic, CFG, donate_policy=donate)
+        metrics = lrn.step(batch._replace(logp_rollout=learner.token_logprobs(policy, batch.tokens)[0]))
+        results[donate] = (metrics, jax.tree.map(np.asarray, nnx.state(policy, nnx.Param)),
+                           jax.tree.map(np.asarray, nnx.state(critic, nnx.Param)))
+        trained = [x for x in old if x.is_deleted()]
+        assert bool(trained) == donate and (not donate or len(trained) > len(old) // 2)
+        assert all(x.is_deleted() for x in old_critic)
+    assert results[False][0] == pytest.approx(results[True][0], rel=1e-6)
+    for copied, in_place in zip(jax.tree.leaves(results[False][1:]), jax.tree.leaves(results[True][1:])):
+        np.testing.assert_array_equal(copied, in_place)
