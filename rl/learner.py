@@ -85,6 +85,15 @@ def token_logprobs(model: GlmForCausalLM, tokens: jax.Array, temperature: float 
     return pad(logp), pad(entropy)
 
 
+def _own_arrays(module, *others) -> None:
+    """Gives `module` copies of the arrays it shares with `others` (nnx.clone shares them):
+    a step that donates its arrays must not delete another module's."""
+    shared = {id(x) for other in others for x in jax.tree.leaves(nnx.state(other))}
+    state = nnx.state(module)
+    if any(id(x) in shared for x in jax.tree.leaves(state)):
+        nnx.update(module, jax.tree.map(lambda x: jnp.copy(x) if id(x) in shared else x, state))
+
+
 def _optimizer(model, lr: float, clip: float, wrt, warmup: int = 0) -> nnx.Optimizer:
     """Adam with global-norm clipping; `warmup` > 0 ramps the rate linearly from 0 over that
     many updates (Adam's first steps move every parameter by about `lr`, whatever the
@@ -249,6 +258,8 @@ class Learner:
             raise ValueError("distillation takes the caller's advantages: external_advantages=True")
         self.rl, self.distill = rl, distill
         self.policy, self.critic = policy, critic if needs_critic else None
+        if self.critic is not None:  # its arrays are donated at every update (a trunk cloned from the policy shares them)
+            _own_arrays(self.critic, policy)
         clip = rl.grad_clip
         self.actor_opt = _optimizer(policy, rl.actor_lr if actor_lr is None else actor_lr, clip, _POLICY_PARAMS,
                                     rl.actor_warmup)
@@ -260,6 +271,8 @@ class Learner:
             self.critic_opt = _optimizer(self.critic, rl.critic_lr, clip, wrt)
         # rl.kl_coef > 0: a frozen copy of the starting policy (the base) for the KL term
         self.reference = nnx.clone(policy) if rl.kl_coef > 0 else None
+        if self.reference is not None and donate_policy:
+            _own_arrays(self.reference, policy)
         self.mtp_opt = None
         if rl.mtp_lr > 0:
             if policy.mtp is None:

@@ -203,3 +203,24 @@ def test_policy_updated_in_place_equals_the_copying_step():
     assert results[False][0] == pytest.approx(results[True][0], rel=1e-6)
     for copied, in_place in zip(jax.tree.leaves(results[False][1:]), jax.tree.leaves(results[True][1:])):
         np.testing.assert_array_equal(copied, in_place)
+
+
+def test_donating_steps_leave_the_arrays_of_modules_cloned_from_the_policy():
+    """nnx.clone shares arrays: a critic whose trunk is the policy's clone (as the trainer
+    builds it) and the KL reference beside a policy updated in place get their own, so the
+    donating steps delete none of the policy's (an engine decodes from them) or the
+    reference's."""
+    batch = _batch()
+    policy = glmjax.init_model(CONFIG, seed=0)
+    start = jax.tree.map(np.asarray, nnx.state(policy))
+    published = jax.tree.leaves(nnx.state(policy))
+    lrn = learner.Learner(policy, learner.ValueModel(nnx.clone(policy)), CFG)
+    lrn.step(batch._replace(logp_rollout=learner.token_logprobs(policy, batch.tokens)[0]))
+    assert not any(x.is_deleted() for x in published)
+
+    policy = glmjax.init_model(CONFIG, seed=0)
+    lrn = learner.Learner(policy, learner.ValueModel(nnx.clone(policy)), dataclasses.replace(CFG, kl_coef=0.1),
+                          donate_policy=True)
+    lrn.step(batch._replace(logp_rollout=learner.token_logprobs(policy, batch.tokens)[0]))
+    for got, want in zip(jax.tree.leaves(nnx.state(lrn.reference)), jax.tree.leaves(start)):
+        np.testing.assert_array_equal(np.asarray(got), want)
