@@ -5,6 +5,7 @@ import json
 import os
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -80,7 +81,9 @@ def post_trained(checkpoint, tmp_path_factory):
     workdir, trunks = str(tmp / "run"), []
     with pytest.MonkeyPatch.context() as patch:
         value_model = trainer.ValueModel
-        patch.setattr(trainer, "ValueModel", lambda backbone: trunks.append(nnx.clone(backbone)) or value_model(backbone))
+        # a copy of the trunk's arrays: the learner donates the critic's own at every update
+        snapshot = lambda m: nnx.merge(nnx.graphdef(m), jax.tree.map(jnp.copy, nnx.state(m)))  # noqa: E731
+        patch.setattr(trainer, "ValueModel", lambda backbone: trunks.append(snapshot(backbone)) or value_model(backbone))
         summary = rl_cli.run(["--config", f"{REPO}/configs/sao_hf.py:{checkpoint}", "--workdir", workdir,
                               f"--config.task.data={data}", "--config.task.eval_tasks=4", "--config.rl.steps=3",
                               "--config.rl.batch_size=4", "--config.rl.slots=4", "--config.task.max_new_tokens=6",
