@@ -248,13 +248,30 @@ def layer_activations(c: ModelConfig, layer: int | None, tokens: float, seq: int
     return {"saved_matmuls": tokens * matmuls * act, "attention": attention, "indexer": indexer, "moe": ep}
 
 
+def gathered_layer_bytes(c: ModelConfig, layer: int, sizes) -> float:
+    """Per-device bytes of one decoder layer's weights other than the routed experts, whole
+    over fsdp as a step gathers them (split over `tensor` only): attention, indexer, the
+    dense MLP or the shared expert, the router. The experts are not gathered
+    (layers/expert_parallel.py)."""
+    d, h, q, kv = c.hidden_size, c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank
+    mla = d * q + q * h * c.qk_head_dim + d * (kv + c.qk_rope_head_dim) + kv * h * (c.qk_nope_head_dim + c.v_head_dim) \
+        + h * c.v_head_dim * d
+    indexer = d * c.index_head_dim + q * c.index_n_heads * c.index_head_dim + d * c.index_n_heads \
+        if c.has_indexer(layer) else 0
+    mlp = 3 * d * (c.shared_intermediate_size if c.is_moe(layer) else c.intermediate_size)
+    router = d * c.n_routed_experts * 4 if c.is_moe(layer) else 0  # fp32
+    return (mla + indexer + mlp) / sizes["tensor"] * np.dtype(c.param_dtype).itemsize + router
+
+
 def learner_activations(c: ModelConfig, rows: int, seq: int, sizes, head: bool = True,
                         logits_chunk: int | None = None) -> dict:
     """Per-device activation bytes of a training forward + backward over rows x seq, by
     `model.remat`: "full" keeps each layer's input and recomputes the layer in the
     backward, "matmuls" keeps the matmul outputs, "none" keeps every layer's working set.
     logits_chunk: positions per LM-head chunk (rl/learner.py: token_logprobs), or None for
-    the head over the whole sequence at once."""
+    the head over the whole sequence at once. Beside the activations, the weights an FSDP
+    step gathers whole with their whole gradients before the reduce-scatter: one layer's
+    ("gathered_layer", `gathered_layer_bytes`) and, with the head, the LM head's [D, N]."""
     act = np.dtype(c.dtype).itemsize
     batch_shards = math.prod(sizes[a] for a in sharding.BATCH_AXES)
     tokens = max(rows / batch_shards, 1) * seq / sizes["sequence"]
@@ -269,7 +286,11 @@ def learner_activations(c: ModelConfig, rows: int, seq: int, sizes, head: bool =
         saved = sum(sum(a.values()) for a in layers)
     chunk = max(rows / batch_shards, 1) * min(logits_chunk or seq, seq) / sizes["sequence"]
     logits = 3 * chunk * c.vocab_size / sizes["tensor"] * 4 if head else 0.0  # logits, log-softmax, its grad
-    return {"saved": saved, "layer_working_set": 2 * working, "lm_head": logits}
+    split = math.prod(sizes.values()) > sizes["tensor"]  # the weights are split beyond `tensor`: gathered
+    gathered = 2 * max(gathered_layer_bytes(c, i, sizes) for i in range(c.num_hidden_layers)) if split else 0.0
+    if head and split:
+        logits += 2 * c.hidden_size * c.vocab_size / sizes["tensor"] * np.dtype(c.param_dtype).itemsize
+    return {"saved": saved, "layer_working_set": 2 * working, "gathered_layer": gathered, "lm_head": logits}
 
 
 def candidate_meshes(devices: int):
