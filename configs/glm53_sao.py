@@ -12,9 +12,11 @@ a value model of its own, 64 concurrent decodes per engine. `get_config(arg)`:
 
   ""      (default) v5p:8x8x4, 256 chips over 64 hosts: mesh fsdp=64 x expert=4, a process
           per host (distributed.num_processes=-1: detected). Each device receives at most
-          1.25x its tokens' expert copies (model.moe_capacity_factor). The engine decodes in
-          the "decode" rules (rl.engine_rules: experts split over all 256 chips, every other
-          weight whole on each) over the whole slice: no host's 4 chips hold GLM-5.3;
+          1.25x its tokens' expert copies (model.moe_capacity_factor), exchanged 2048 tokens
+          at a time (model.moe_chunk_tokens). The engine decodes in the "decode" rules
+          (rl.engine_rules: experts split over all 256 chips, every other weight whole on
+          each) over the whole slice: no host's 4 chips hold GLM-5.3. Its weights are a
+          copy in those rules, so the learner updates the policy's in place;
   "h200"  64 H200s over 8 hosts: mesh fsdp=16 x expert=4, a process per host (8 GPUs each).
           A GPU target cannot be compiled on a CPU: `python -m rl.job_plan`
           gives its planned bytes per device.
