@@ -1,4 +1,4 @@
-"""glm53_sao: SAO post-training of GLM-5.3 at full size, on a v5p slice of 256 chips (or 64 H200s).
+"""glm53_sao: SAO post-training of GLM-5.3 at full size, on a v5p slice of 256 chips (or 128 H200s).
 
     glmjax-aot --config configs/glm53_sao.py --topology v5p:8x8x4 --json /tmp/glm53_sao_aot.json
     python -m rl.job_plan --config configs/glm53_sao.py:h200 --device-memory-gb 141
@@ -17,9 +17,10 @@ a value model of its own, 64 concurrent decodes per engine. `get_config(arg)`:
           (rl.engine_rules: experts split over all 256 chips, every other weight whole on
           each) over the whole slice: no host's 4 chips hold GLM-5.3. Its weights are a
           copy in those rules, so the learner updates the policy's in place;
-  "h200"  64 H200s over 8 hosts: mesh fsdp=16 x expert=4, a process per host (8 GPUs each).
-          A GPU target cannot be compiled on a CPU: `python -m rl.job_plan`
-          gives its planned bytes per device.
+  "h200"  128 H200s over 16 hosts: mesh fsdp=32 x expert=4, a process per host (8 GPUs
+          each). 64 cannot hold the job: the policy, the critic and their Adam states
+          alone are 140.7 GB of each GPU's 141. A GPU target cannot be compiled on a CPU:
+          `python -m rl.job_plan` gives its planned bytes per device (119 GB).
 `glmjax-aot` compiles the learner's step and the engine's prefill and decode for the slice
 and compares them with the planner's figures (rl/job_plan.py: role_bytes).
 """
@@ -33,7 +34,7 @@ from rl.config import BaseConfig, RLConfig, TaskConfig, section
 # arg -> (mesh axis sizes, processes)
 TARGETS = {
     "": ({"fsdp": 64, "expert": 4}, -1),
-    "h200": ({"fsdp": 16, "expert": 4}, -1),
+    "h200": ({"fsdp": 32, "expert": 4}, -1),
 }
 
 

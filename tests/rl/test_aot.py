@@ -92,7 +92,7 @@ def test_glm53_sao_builds_its_job_config(arg):
     job = JobConfig.from_config(cfg)
     assert job.model.num_hidden_layers == 78 and job.model.param_dtype == "bfloat16"
     assert job.model.scan_layers and job.model.remat == "full" and job.rl.algorithm == "sao"
-    assert dict(cfg.mesh)["fsdp"] * dict(cfg.mesh)["expert"] == (256 if arg is None else 64)
+    assert dict(cfg.mesh)["fsdp"] * dict(cfg.mesh)["expert"] == (256 if arg is None else 128)
 
 
 def test_model_presets_name_the_job_configs_that_use_them(capsys):
