@@ -182,7 +182,8 @@ class Program:
 
 def learner_programs(job, layout: Layout):
     """The jitted steps of one Learner.step (rl/learner.py), lowered from abstract policy,
-    critic, reference and optimizer states; and the persistent bytes per device."""
+    critic, reference and optimizer states; the persistent bytes per device; and whether
+    the actor step updates the policy in place."""
     from rl import learner as rl_learner
 
     rl = job.rl
@@ -204,14 +205,15 @@ def learner_programs(job, layout: Layout):
                 critic, critic_opt, batch, weights, weights, clipped=clipped), bytes_of(critic, critic_opt),
                 runs=rl.critic_steps - 1))
     # as rl/trainer.py builds it: the policy updated in place where the engine decodes from copies
-    actor = rl_learner._actor_step_in_place if engine_copies(policy, layout) else rl_learner._actor_step
+    in_place = engine_copies(policy, layout)
+    actor = rl_learner._actor_step_in_place if in_place else rl_learner._actor_step
     programs.append(Program("actor_step", lambda: actor.lower(
         policy, actor_opt, reference, batch, weights, weights, None, rl=rl, distill=None),
         bytes_of(policy, actor_opt, reference)))
     if mtp_opt is not None:
         programs.append(Program("mtp_step", lambda: rl_learner._mtp_step.lower(
             policy, mtp_opt, batch.tokens, batch.action_mask), bytes_of(policy, mtp_opt)))
-    return programs, persistent
+    return programs, persistent, in_place
 
 
 def engine_copies(policy, layout: Layout) -> bool:
@@ -446,7 +448,8 @@ def _refused(program: Program, message: str, seconds: float, log: str) -> dict:
     return {"name": program.name, "bytes_per_device": temp + int(program.persistent_args), "argument_bytes": 0,
             "output_bytes": 0, "temp_bytes": temp, "alias_bytes": 0,
             "persistent_argument_bytes": int(program.persistent_args), "runs": program.runs, "flops_per_device": 0.0,
-            "xla_cost_analysis_flops_per_device": 0.0, "unknown_trip_counts": 0, "bytes_accessed_per_device": 0.0, "compile_seconds": seconds, "spmd_warnings": log.count(REMAT_WARNING),
+            "xla_cost_analysis_flops_per_device": 0.0, "unknown_trip_counts": 0, "bytes_accessed_per_device": 0.0,
+            "compile_seconds": seconds, "spmd_warnings": log.count(REMAT_WARNING),
             "compile_error": message.strip().splitlines()[0][:500]}
 
 
@@ -467,8 +470,9 @@ def combine(steps: list[dict], persistent: int) -> dict:
 
 
 def _learner_role(job, layout, args):
-    programs, persistent = learner_programs(job, layout)
-    return programs, persistent, layout.mesh, {"rows": _learner_rows(job), "length": job.task.max_len}
+    programs, persistent, in_place = learner_programs(job, layout)
+    return programs, persistent, layout.mesh, {"rows": _learner_rows(job), "length": job.task.max_len}, {
+        "policy_in_place": in_place}
 
 
 def _learner_rows(job) -> int:
@@ -481,7 +485,7 @@ def _prefill_role(job, layout, args):
     engine = abstract_engine(job, layout)
     rows, length = prefill_shape(job, engine, args.prefill_rows, args.prefill_len)
     program = engine_prefill_program(engine, rows, length)
-    return [program], program.persistent_args, layout.engine_mesh, {"rows": rows, "length": length}
+    return [program], program.persistent_args, layout.engine_mesh, {"rows": rows, "length": length}, {}
 
 
 def _decode_role(job, layout, args):
@@ -489,15 +493,16 @@ def _decode_role(job, layout, args):
     program = engine_decode_program(engine)
     return [program], program.persistent_args, layout.engine_mesh, {"slots": job.rl.slots,
                                                                     "cache_length": engine.max_len,
-                                                                    "tokens_per_slot": 1 + job.rl.num_draft}
+                                                                    "tokens_per_slot": 1 + job.rl.num_draft}, {}
 
 
-# role -> (job, layout, args) -> (programs, persistent bytes per device, mesh, the batch shape)
+# role -> (job, layout, args) -> (programs, persistent bytes per device, mesh, the batch shape, the
+# planner's keyword arguments for it)
 ROLES = {"learner_step": _learner_role, "engine_prefill": _prefill_role, "engine_decode": _decode_role}
 
 
 def run_role(name: str, job, layout: Layout, chip: Chip, args) -> dict:
-    programs, persistent, mesh, shape = ROLES[name](job, layout, args)
+    programs, persistent, mesh, shape, plan_args = ROLES[name](job, layout, args)
     rules = layout.rules if name == "learner_step" else layout.engine_rules
     # traced as the job traces them: under the ambient mesh and rules (the MoE layers'
     # expert-parallel dispatch, the activations' constraints), at the default matmul
@@ -505,9 +510,7 @@ def run_role(name: str, job, layout: Layout, chip: Chip, args) -> dict:
     with sharding.use_mesh(mesh, rules), jax.default_matmul_precision("default"):
         result = combine([compile_program(p) for p in programs], persistent)
     devices = mesh.size
-    in_place = name == "learner_step" and engine_copies(
-        nnx.eval_shape(lambda: GlmForCausalLM(job.model, rngs=nnx.Rngs(params=0))), layout)
-    planned = job_plan.role_bytes(job, dict(mesh.shape), name, shape, rules=rules, policy_in_place=in_place)
+    planned = job_plan.role_bytes(job, dict(mesh.shape), name, shape, rules=rules, **plan_args)
     analytic = analytic_flops(job, name, devices, prefill=(shape.get("rows", 1), shape.get("length", 1)))
     result.update(
         planned_bytes_per_device=int(planned["total"]), planned=planned,

@@ -56,7 +56,6 @@ class Instruction:
 @dataclasses.dataclass
 class Report:
     flops: float
-    loops: int  # while loops met, each time its computation is counted
     unknown_trip_counts: list[str]
 
 
@@ -135,8 +134,11 @@ def _window(attrs: str, rank: int) -> list[dict]:
     """Per spatial dimension: size, stride, padding, base (lhs) and window (rhs) dilation."""
     text = (_attr(attrs, "window") or "{}")[1:-1]
     fields = dict(f.split("=", 1) for f in text.split() if "=" in f)
-    split = lambda key, default: [int(v) for v in fields[key].split("x")] if key in fields else [default] * rank  # noqa: E731
-    pads = [tuple(int(v) for v in p.split("_")) for p in fields["pad"].split("x")] if "pad" in fields else [(0, 0)] * rank
+    def split(key, default):
+        return [int(v) for v in fields[key].split("x")] if key in fields else [default] * rank
+
+    pads = [tuple(int(v) for v in p.split("_")) for p in fields["pad"].split("x")] if "pad" in fields else \
+        [(0, 0)] * rank
     return [dict(size=s, stride=st, pad=p, base=bd, dilation=wd) for s, st, p, bd, wd in zip(
         split("size", 1), split("stride", 1), pads, split("lhs_dilate", 1), split("rhs_dilate", 1))]
 
@@ -213,7 +215,7 @@ def matmul_flops(hlo: str) -> Report:
     for name, ins in by_name.items():
         if _ARRAY.match(ins.shape):
             shapes[name] = ins.dims
-    report = Report(0.0, 0, [])
+    report = Report(0.0, [])
     memo: dict[str, float] = {}
 
     def flops_of(name: str) -> float:
@@ -236,7 +238,6 @@ def matmul_flops(hlo: str) -> Report:
                     (_attr(ins.attrs, k) or "%").lstrip("%") for k in ("true_computation", "false_computation")]
                 total += max((flops_of(n) for n in names if n), default=0.0)
             elif ins.opcode == "while":
-                report.loops += 1
                 trips = _trip_count(ins, computations, by_name)
                 if trips is None:
                     report.unknown_trip_counts.append(ins.name)

@@ -258,7 +258,7 @@ class Learner:
             raise ValueError("distillation takes the caller's advantages: external_advantages=True")
         self.rl, self.distill = rl, distill
         self.policy, self.critic = policy, critic if needs_critic else None
-        if self.critic is not None:  # its arrays are donated at every update (a trunk cloned from the policy shares them)
+        if self.critic is not None:  # donated at every update; a trunk cloned from the policy shares its arrays
             _own_arrays(self.critic, policy)
         clip = rl.grad_clip
         self.actor_opt = _optimizer(policy, rl.actor_lr if actor_lr is None else actor_lr, clip, _POLICY_PARAMS,

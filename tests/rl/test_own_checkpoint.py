@@ -83,7 +83,8 @@ def post_trained(checkpoint, tmp_path_factory):
         value_model = trainer.ValueModel
         # a copy of the trunk's arrays: the learner donates the critic's own at every update
         snapshot = lambda m: nnx.merge(nnx.graphdef(m), jax.tree.map(jnp.copy, nnx.state(m)))  # noqa: E731
-        patch.setattr(trainer, "ValueModel", lambda backbone: trunks.append(snapshot(backbone)) or value_model(backbone))
+        patch.setattr(trainer, "ValueModel",
+                      lambda backbone: trunks.append(snapshot(backbone)) or value_model(backbone))
         summary = rl_cli.run(["--config", f"{REPO}/configs/sao_hf.py:{checkpoint}", "--workdir", workdir,
                               f"--config.task.data={data}", "--config.task.eval_tasks=4", "--config.rl.steps=3",
                               "--config.rl.batch_size=4", "--config.rl.slots=4", "--config.task.max_new_tokens=6",
