@@ -222,6 +222,21 @@ def gather_objects(obj) -> list:
     return [pickle.loads(rows[i, :n].tobytes()) for i, n in enumerate(sizes)]
 
 
+def broadcast_object(obj):
+    """Process 0's `obj` on every process: what they must decide alike (which checkpoint
+    step to read, whether a cache exists) decided once. A collective, as `gather_objects`."""
+    return gather_objects(obj if is_main() else None)[0]
+
+
+def failures(reason: str | None) -> list[tuple[int, str]]:
+    """Every process's outcome of a host-local attempt (reading a checkpoint, a cache), so
+    that all act on one answer: `reason` is None where this process succeeded, else why it
+    failed; returns [(process, reason)] of the processes that failed, [] when none did. A
+    collective, as `gather_objects`: a failure on one host becomes every host's decision
+    instead of a host that goes its own way while the others wait for it."""
+    return [(i, r) for i, r in enumerate(gather_objects(reason)) if r is not None]
+
+
 def process_meshes(mesh: Mesh) -> list[Mesh]:
     """Each process's devices in `mesh` as a mesh of the same axes: the block of the device
     grid they form, its sizes those of `mesh` divided where the processes split an axis

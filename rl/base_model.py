@@ -22,6 +22,7 @@ import concurrent.futures
 import logging
 import os
 
+import jax
 import numpy as np
 from safetensors import SafetensorError
 from tqdm.auto import tqdm
@@ -88,6 +89,8 @@ def build_base(cfg, workdir: str, demo_tasks=(), mesh=None) -> glmjax.GlmForCaus
     """The supervised starting point, trained once and cached in workdir/base. A cache
     that does not read (a truncated weight file) is moved aside to base.corrupt, with a
     warning, and the base is trained again: it is the same model for the same config.
+    With several processes, process 0 says whether the cache exists and a read that fails
+    on any host makes every host train again.
     An agentic base learns from oracle episodes of generated tasks (`base.demonstrations`
     of them, seed `base.seed`), or of `demo_tasks` (the training tasks) from a Harbor dir;
     a demonstration that its verifier does not reward stops the job, naming the task.
@@ -98,14 +101,19 @@ def build_base(cfg, workdir: str, demo_tasks=(), mesh=None) -> glmjax.GlmForCaus
         log.info("the base model is %s", b.checkpoint)
         return load_checkpoint(b.checkpoint, cfg.model, mesh)
     path = os.path.join(workdir, "base")
-    if os.path.exists(os.path.join(path, "config.json")):
+    if distributed.broadcast_object(os.path.exists(os.path.join(path, "config.json"))):  # process 0's view
         log.info("loading the cached base model from %s", path)
         try:
-            return glmjax.from_pretrained(path, mesh=mesh)
+            model, reason = glmjax.from_pretrained(path, mesh=mesh), None
         except (OSError, ValueError, SafetensorError) as err:
-            aside = set_aside(path) if distributed.is_main() else path + ".corrupt"
-            log.warning("the cached base model in %s does not read (%s: %s); it is moved to %s and trained again",
-                        path, type(err).__name__, " ".join(str(err).split())[:300], aside)
+            model, reason = None, f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
+        failures = distributed.failures(reason)  # every host loads the cache, or every host trains again
+        if not failures:
+            return model
+        aside = set_aside(path) if distributed.is_main() else path + ".corrupt"
+        why = "; ".join(r if jax.process_count() == 1 else f"process {i}: {r}" for i, r in failures)
+        log.warning("the cached base model in %s does not read (%s); it is moved to %s and trained again", path,
+                    why, aside)
     if b.checkpoint:
         model = load_checkpoint(b.checkpoint, cfg.model, mesh)
     else:

@@ -15,7 +15,11 @@ holds one of each per process, and a run resumes with the number of processes th
 it.
 
 Restore reads the newest step that reads in full (its metadata, then every array) and
-only then loads it into the live objects, so a failed read changes nothing. A step that
+only then loads it into the live objects, so a failed read changes nothing. With several
+processes the choice is made together: process 0 lists the steps, every process reads
+its own shards of a step without any barrier, and the step is taken only if it read on
+every process (`distributed.failures`); a read that fails on one host makes all of them
+skip that step, so no host waits for another that went its own way. A step that
 does not read (a truncated array file, metadata that is not JSON or lacks a field) is
 skipped with one warning naming it and why; once an older step has read, each skipped
 step is moved aside to `<step>.corrupt` in the same directory, kept for inspection, and
@@ -97,6 +101,13 @@ class LoopCheckpointer:
         self.directory = os.path.abspath(directory)
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        # reads are this process's alone: orbax's restore ends in a barrier of every
+        # process, which a host whose read failed never reaches
+        alone = ocp.options.MultiprocessingOptions(primary_host=jax.process_index(),
+                                                   active_processes={jax.process_index()},
+                                                   barrier_sync_key_prefix=f"read{jax.process_index()}")
+        self.reader = ocp.CheckpointManager(self.directory, options=ocp.CheckpointManagerOptions(
+            create=False, multiprocessing_options=alone))
 
     def save(self, step: int, *, policy, critic, learner, stream, admission, version: int, **extra) -> None:
         """Starts an asynchronous save of `step`; `extra` (JSON values) lands in the metadata."""
@@ -115,12 +126,17 @@ class LoopCheckpointer:
         abstract = {k: jax.tree.map(ocp.utils.to_shape_dtype_struct, nnx.state(m).to_pure_dict())
                     for k, m in modules.items()}
         failed = []  # (step, reason), newest first
-        for step in sorted(self.manager.all_steps(), reverse=True):
+        for step in distributed.broadcast_object(sorted(self.manager.all_steps(), reverse=True)):
             try:
                 meta, arrays = self._read(step, abstract)
-                break
+                reason = None
             except Exception as err:  # orbax raises TensorStore read failures as a plain Exception
-                failed.append((step, _reason(err)))
+                reason = _reason(err)
+            failures = distributed.failures(reason)
+            if not failures:
+                break
+            failed.append((step, "; ".join(why if jax.process_count() == 1 else f"process {i}: {why}"
+                                           for i, why in failures)))
         else:
             if failed:
                 raise UnreadableCheckpoints(f"no checkpoint in {self.directory} reads: " + "; ".join(
@@ -135,6 +151,7 @@ class LoopCheckpointer:
             if jax.process_count() > 1:
                 multihost_utils.sync_global_devices("glmjax.checkpoint.set_aside")
             self.manager.reload()
+            self.reader.reload()
         stream_state, admission_state = _own(meta, "stream", step), _own(meta, "admission", step)
         for k, m in modules.items():
             state = nnx.state(m)
@@ -148,14 +165,14 @@ class LoopCheckpointer:
     def _read(self, step: int, abstract: dict) -> tuple[dict, dict]:
         """Step `step`'s metadata and arrays, read in full; raises if any part does not read."""
         try:
-            meta = self.manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            meta = self.reader.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as err:
             raise ValueError(f"{step}/meta/metadata") from err
         missing = [k for k in _REQUIRED_META if k not in (meta if isinstance(meta, dict) else {})]
         if missing:
             raise ValueError(f"{step}/meta/metadata lacks {missing}")
         try:
-            arrays = self.manager.restore(step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(abstract)))
+            arrays = self.reader.restore(step, args=ocp.args.Composite(arrays=ocp.args.StandardRestore(abstract)))
         except Exception as err:
             raise ValueError(f"{step}/arrays") from err
         return meta, arrays["arrays"]

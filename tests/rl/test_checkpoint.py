@@ -90,3 +90,37 @@ def test_no_checkpoint_that_reads_is_an_error_that_moves_nothing(tmp_path):
 
 def test_an_empty_directory_restores_nothing(tmp_path):
     assert LoopCheckpointer(tmp_path / "none").restore(**_loop(0.0)) is None
+
+
+def test_a_read_that_fails_on_one_process_makes_every_process_resume_from_the_step_before(tmp_path):
+    """Two processes (tests/rl/restore_worker.py) save steps 1 and 2 of a policy split over
+    both; process 1 truncates its own shard file of step 2, which process 0 never reads.
+    Both restore step 1, each its own rows of step 1's weights, inside the timeout (before,
+    process 1 skipped to step 1 alone and waited in orbax's restore barrier forever)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.glmjax.test_multihost import _free_port
+
+    worker, port = pathlib.Path(__file__).with_name("restore_worker.py"), str(_free_port())
+    procs = [subprocess.Popen([sys.executable, str(worker), str(i), port, str(tmp_path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=240)[0])  # a hang fails here
+        finally:
+            p.kill()
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
+    assert "process 1: 2/arrays: ValueError: OUT_OF_RANGE" in logs[0], logs[0][-3000:]
+    expected = _kernel(1.0)
+    for i in range(2):
+        restored = json.loads((tmp_path / f"restored_{i}.json").read_text())
+        assert restored["step"] == 1
+        rows = [int(k.split(",")[0].removeprefix("(slice(")) for k in restored["shards"]]
+        assert rows == [32 * i, 32 * i + 16], rows
+        for start, mean in zip(rows, restored["shards"].values()):
+            np.testing.assert_allclose(mean, expected[start:start + 16].mean(), rtol=1e-5)
+    assert (tmp_path / "checkpoints" / "2.corrupt").is_dir() and not (tmp_path / "checkpoints" / "2").exists()
