@@ -37,11 +37,12 @@ def sharded(value: float) -> dict:
     """`_loop(value)` as global arrays: 2-D ones split by rows over both processes' devices,
     the others replicated."""
     loop = _loop(value)
+
+    def place(x):
+        return distributed.global_array(np.asarray(x), NamedSharding(mesh, PartitionSpec(*["fsdp"][:np.ndim(x) - 1])))
+
     for module in (loop["policy"], loop["learner"].actor_opt):
-        state = nnx.state(module)
-        spec = lambda x: PartitionSpec("fsdp") if np.ndim(x) == 2 else PartitionSpec()  # noqa: E731
-        nnx.update(module, jax.tree.map(lambda x: distributed.global_array(np.asarray(x), NamedSharding(mesh, spec(x))),
-                                        state))
+        nnx.update(module, jax.tree.map(place, nnx.state(module)))
     return loop
 
 
