@@ -40,6 +40,7 @@ class ModelOutput(NamedTuple):
     indexer_loss: jax.Array | None  # mean KL over the full-indexer layers, when asked for
     expert_load: jax.Array | None  # [L_moe, E] token copies per expert
     topk: jax.Array | None = None  # [B, T, P] the last layer's key selection; None where it attended densely
+    routes: jax.Array | None = None  # [L_moe, B, T, X] int32 each MoE router's own choice of experts
 
 
 class MTPOutput(NamedTuple):
@@ -93,19 +94,25 @@ class GlmForCausalLM(nnx.Module):
         cache: KVCache | None = None,
         indexer_loss: str | None = None,
         logits_at: jax.Array | None = None,
+        route_replay: jax.Array | None = None,
     ) -> ModelOutput:
         """input_ids [B, T] int. positions [B, T] (no-cache calls only; default arange).
         indexer_loss: None | "dense" | "sparse" (see MLA.__call__). logits_at [B, K] int:
         the indices into T whose logits are computed, so that logits is [B, K, N] (a
-        prefill needs one per row: the LM head is then K / T of its cost); default all T."""
+        prefill needs one per row: the LM head is then K / T of its cost); default all T.
+        route_replay [L_moe, B, T, X] int: the experts each token runs in each MoE layer
+        (routing replay: the engine's recorded choice, glmjax/layers/moe.py: Router), -1
+        where the router chooses; `ModelOutput.routes` is always the routers' own choice."""
         c = self.config
         q_pos = self.positions(input_ids, cache, positions)
         cos, sin = rope_tables(c, q_pos)
         x = constrain(self.embed(input_ids), ("batch", "length", "act_embed"))
         if self.segments is not None:
-            x, topk, new_layers, losses, loads = self._scanned(x, cos, sin, q_pos, cache, indexer_loss)
+            x, topk, new_layers, losses, loads, routes = self._scanned(x, cos, sin, q_pos, cache, indexer_loss,
+                                                                       route_replay)
         else:
-            x, topk, new_layers, losses, loads = self._looped(x, cos, sin, q_pos, cache, indexer_loss)
+            x, topk, new_layers, losses, loads, routes = self._looped(x, cos, sin, q_pos, cache, indexer_loss,
+                                                                      route_replay)
         new_cache = None
         if cache is not None:
             new_cache = cache._replace(layers=tuple(new_layers), lengths=cache.lengths + input_ids.shape[1])
@@ -119,22 +126,26 @@ class GlmForCausalLM(nnx.Module):
             indexer_loss=jnp.mean(jnp.concatenate(losses)) if losses else None,
             expert_load=jnp.concatenate(loads) if loads else None,
             topk=topk,
+            routes=jnp.concatenate(routes) if routes else None,
         )
 
-    def _looped(self, x, cos, sin, q_pos, cache, indexer_loss):
-        topk, losses, loads, new_layers = None, [], [], []
+    def _looped(self, x, cos, sin, q_pos, cache, indexer_loss, route_replay):
+        topk, losses, loads, routes, new_layers = None, [], [], [], []
         for i, layer in enumerate(self.layers):
+            replay = None if route_replay is None or not self.config.is_moe(i) else route_replay[len(routes)]
             out = run_layer(layer, x, cos, sin, q_pos, cache=None if cache is None else cache.layers[i],
-                            shared_topk=topk, indexer_loss=indexer_loss, remat=self.config.remat)
+                            shared_topk=topk, indexer_loss=indexer_loss, remat=self.config.remat,
+                            route_replay=replay)
             x, topk = constrain(out.x, ("batch", "length", "act_embed")), out.topk
             new_layers.append(out.cache)
             if out.indexer_loss is not None:
                 losses.append(out.indexer_loss[None])
             if out.expert_load is not None:
                 loads.append(out.expert_load[None])
-        return x, topk, new_layers, losses, loads
+                routes.append(out.routes[None])
+        return x, topk, new_layers, losses, loads, routes
 
-    def _scanned(self, x, cos, sin, q_pos, cache, indexer_loss):
+    def _scanned(self, x, cos, sin, q_pos, cache, indexer_loss, route_replay):
         """The segments in order; the top-k carried through each scan keeps one structure,
         an array [B, T, P] when the layers select (as MLA decides: fewer top-k than keys,
         not the dense indexer warm-up), else None."""
@@ -142,16 +153,21 @@ class GlmForCausalLM(nnx.Module):
         num_keys = x.shape[1] if cache is None else cache.max_len
         selects = c.index_topk < num_keys and indexer_loss != "dense"
         topk = jnp.zeros((*x.shape[:2], c.index_topk), jnp.int32) if selects else None
-        losses, loads, new_layers = [], [], []
+        losses, loads, routes, new_layers = [], [], [], []
+        used = 0  # MoE layers of route_replay consumed by the segments before
         for s, segment in enumerate(self.segments):
-            out = segment(x, topk, cos, sin, q_pos, None if cache is None else cache.layers[s], indexer_loss)
+            n = segment.repeats * sum(c.is_moe(segment.first + j) for j in range(segment.period))
+            replay = None if route_replay is None or not n else route_replay[used:used + n]
+            used += n
+            out = segment(x, topk, cos, sin, q_pos, None if cache is None else cache.layers[s], indexer_loss, replay)
             x, topk = out.x, out.topk
             new_layers.append(out.caches)
             if out.indexer_losses is not None:
                 losses.append(out.indexer_losses)
             if out.expert_loads is not None:
                 loads.append(out.expert_loads)
-        return x, topk, new_layers, losses, loads
+                routes.append(out.routes)
+        return x, topk, new_layers, losses, loads, routes
 
     def decoder_layers(self) -> list[DecoderLayer]:
         """Every decoder layer in order; a scanned model's as copies sliced out of its stacks

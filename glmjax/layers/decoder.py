@@ -21,6 +21,7 @@ class LayerOut(NamedTuple):
     topk: jax.Array | None
     indexer_loss: jax.Array | None
     expert_load: jax.Array | None  # [E] on MoE layers
+    routes: jax.Array | None  # [B, T, X] on MoE layers: the router's own choice of experts
 
 
 class DecoderLayer(nnx.Module):
@@ -36,13 +37,14 @@ class DecoderLayer(nnx.Module):
             c.hidden_size, c.intermediate_size, init_std=c.initializer_range, param_dtype=pdt, rngs=rngs)
 
     def __call__(self, x, cos, sin, q_pos, *, cache=None, shared_topk=None, indexer_loss=None,
-                 context=None) -> LayerOut:
+                 context=None, route_replay=None) -> LayerOut:
+        """route_replay [B, T, X]: the experts each token runs on a MoE layer (moe.Router)."""
         a = self.attn(self.input_norm(x), cos, sin, q_pos, cache=cache, shared_topk=shared_topk,
                       indexer_loss=indexer_loss, context=context)
         x = x + a.out
         h = self.post_attn_norm(x)
         if isinstance(self.mlp, MoE):
-            y, load = self.mlp(h)
+            y, load, routes = self.mlp(h, route_replay)
         else:
-            y, load = self.mlp(h), None
-        return LayerOut(x + y, a.cache, a.topk, a.indexer_loss, load)
+            y, load, routes = self.mlp(h), None, None
+        return LayerOut(x + y, a.cache, a.topk, a.indexer_loss, load, routes)

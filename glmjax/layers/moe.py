@@ -51,8 +51,9 @@ class MLP(nnx.Module):
 
 class Routing(NamedTuple):
     weights: jax.Array  # [N, X] fp32
-    experts: jax.Array  # [N, X] int32
+    experts: jax.Array  # [N, X] int32: the experts each token runs (replayed ones where given)
     load: jax.Array  # [E] token copies routed to each expert
+    own: jax.Array  # [N, X] int32: the router's own choice (step 4), whatever ran
 
 
 class Router(nnx.Module):
@@ -64,8 +65,14 @@ class Router(nnx.Module):
                                                   logical_axes=("router",))
         self.config = config
 
-    def __call__(self, x: jax.Array) -> Routing:
-        """x [N, D] -> the X experts of each token and their weights (steps 1-4)."""
+    def __call__(self, x: jax.Array, replay: jax.Array | None = None) -> Routing:
+        """x [N, D] -> the X experts of each token and their weights (steps 1-4).
+
+        replay [N, X] int (routing replay, R3, arXiv 2510.11370): the experts another run of
+        this layer chose for each token (the rollout engine's), which the token runs instead
+        of its own top-X; a row of -1 keeps the router's choice. The weights are still this
+        router's affinities s of the experts run, normalised over them, so the router keeps
+        its gradient."""
         c = self.config
         scores = jax.nn.sigmoid(x.astype(jnp.float32) @ self.weight[...])  # [N, E]
         biased = scores + self.e_score_correction_bias[...]
@@ -75,13 +82,14 @@ class Router(nnx.Module):
             kept = jax.lax.top_k(group_score, c.topk_group)[1]
             keep = jnp.zeros_like(group_score, bool).at[jnp.arange(kept.shape[0])[:, None], kept].set(True)
             biased = jnp.where(jnp.repeat(keep, c.n_routed_experts // c.n_group, axis=1), biased, -jnp.inf)
-        experts = jax.lax.top_k(biased, c.num_experts_per_tok)[1]
+        own = jax.lax.top_k(biased, c.num_experts_per_tok)[1].astype(jnp.int32)
+        experts = own if replay is None else jnp.where(replay[:, :1] >= 0, replay.astype(jnp.int32), own)
         weights = jnp.take_along_axis(scores, experts, axis=1)
         if c.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
         weights = weights * c.routed_scaling_factor
         load = jnp.zeros((c.n_routed_experts,), jnp.int32).at[experts.reshape(-1)].add(1)
-        return Routing(weights, experts.astype(jnp.int32), load)
+        return Routing(weights, experts, load, own)
 
 
 class Experts(nnx.Module):
@@ -112,10 +120,11 @@ class MoE(nnx.Module):
                           param_dtype=jnp.dtype(c.param_dtype), rngs=rngs) if c.n_shared_experts else None
 
     @jax.named_scope("moe")  # profiles (and benchmarks/sharding_bench.py) find the layer's ops by it
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """x [B, T, D] -> (y [B, T, D], per-expert load [E])."""
+    def __call__(self, x: jax.Array, replay: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [B, T, D], replay [B, T, X] or None (Router) -> (y [B, T, D], per-expert load [E],
+        the router's own choice [B, T, X])."""
         flat = x.reshape(-1, x.shape[-1])
-        routing = self.router(flat)
+        routing = self.router(flat, None if replay is None else replay.reshape(flat.shape[0], -1))
         if expert_parallel.enabled(self.config.n_routed_experts):
             ex, dt = self.experts, x.dtype
             y, _ = expert_parallel.experts_forward(  # the kept mask: layers/expert_parallel.py
@@ -127,7 +136,7 @@ class MoE(nnx.Module):
         y = y.reshape(x.shape)
         if self.shared is not None:
             y = y + self.shared(x)
-        return y, routing.load
+        return y, routing.load, routing.own.reshape(*x.shape[:-1], -1)
 
 
 def update_correction_biases(model, expert_load: jax.Array, rate: float) -> None:

@@ -19,7 +19,8 @@ alike: what a layer's backward finds saved from its forward is
   matmuls  the outputs of the matmuls without batch dimensions (the projections, the
            experts' grouped matmuls are recomputed), `dots_with_no_batch_dims_saveable`.
 
-Legend: R repeats of a segment, B batch, T tokens, D hidden, P selected keys, E experts.
+Legend: R repeats of a segment, B batch, T tokens, D hidden, P selected keys, E experts,
+X experts per token.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from flax import nnx
 from glmjax.cache import LayerCache
 from glmjax.config import ModelConfig
 from glmjax.layers.decoder import DecoderLayer, LayerOut
+from glmjax.layers.moe import MoE
 from glmjax.sharding import constrain
 
 REMAT_POLICIES = {
@@ -43,14 +45,15 @@ STACK_AXIS = "layer_stack"  # the logical name of the repeats axis (replicated: 
 
 
 def run_layer(layer: DecoderLayer, x, cos, sin, q_pos, *, cache=None, shared_topk=None, indexer_loss=None,
-              remat: str = "none") -> LayerOut:
+              remat: str = "none", route_replay=None) -> LayerOut:
     """One decoder layer's forward under the remat policy (a no-op outside a gradient)."""
-    def forward(layer, x, cos, sin, q_pos, cache, shared_topk):
-        return layer(x, cos, sin, q_pos, cache=cache, shared_topk=shared_topk, indexer_loss=indexer_loss)
+    def forward(layer, x, cos, sin, q_pos, cache, shared_topk, route_replay):
+        return layer(x, cos, sin, q_pos, cache=cache, shared_topk=shared_topk, indexer_loss=indexer_loss,
+                     route_replay=route_replay)
 
     if remat != "none":
         forward = nnx.remat(forward, policy=REMAT_POLICIES[remat])
-    return forward(layer, x, cos, sin, q_pos, cache, shared_topk)
+    return forward(layer, x, cos, sin, q_pos, cache, shared_topk, route_replay)
 
 
 class GroupOut(NamedTuple):
@@ -59,6 +62,7 @@ class GroupOut(NamedTuple):
     caches: tuple[LayerCache, ...] | None  # one per layer of the group
     indexer_losses: jax.Array | None  # [full layers of the group]
     expert_loads: jax.Array | None  # [MoE layers of the group, E]
+    routes: jax.Array | None = None  # [MoE layers of the group, B, T, X] each router's own choice
 
 
 class LayerGroup(nnx.Module):
@@ -69,19 +73,22 @@ class LayerGroup(nnx.Module):
                                 for j in range(period)])
         self.remat = config.remat
 
-    def __call__(self, x, topk, cos, sin, q_pos, caches=None, indexer_loss=None) -> GroupOut:
-        new, losses, loads = [], [], []
+    def __call__(self, x, topk, cos, sin, q_pos, caches=None, indexer_loss=None, route_replay=None) -> GroupOut:
+        """route_replay [MoE layers of the group, B, T, X] or None (moe.Router)."""
+        new, losses, loads, routes = [], [], [], []
         for j, layer in enumerate(self.layers):
+            replay = None if route_replay is None or not isinstance(layer.mlp, MoE) else route_replay[len(routes)]
             out = run_layer(layer, x, cos, sin, q_pos, cache=None if caches is None else caches[j], shared_topk=topk,
-                            indexer_loss=indexer_loss, remat=self.remat)
+                            indexer_loss=indexer_loss, remat=self.remat, route_replay=replay)
             x, topk = constrain(out.x, ("batch", "length", "act_embed")), out.topk
             new.append(out.cache)
             if out.indexer_loss is not None:
                 losses.append(out.indexer_loss)
             if out.expert_load is not None:
                 loads.append(out.expert_load)
-        return GroupOut(x, topk, None if caches is None else tuple(new),
-                        jnp.stack(losses) if losses else None, jnp.stack(loads) if loads else None)
+                routes.append(out.routes)
+        stack = lambda xs: jnp.stack(xs) if xs else None  # noqa: E731
+        return GroupOut(x, topk, None if caches is None else tuple(new), stack(losses), stack(loads), stack(routes))
 
 
 def _stack_axis(module: nnx.Module) -> None:
@@ -103,24 +110,27 @@ class Segment(nnx.Module):
         _stack_axis(self.group)
         self.first, self.period, self.repeats = first, period, repeats
 
-    def __call__(self, x, topk, cos, sin, q_pos, caches=None, indexer_loss=None) -> GroupOut:
+    def __call__(self, x, topk, cos, sin, q_pos, caches=None, indexer_loss=None, route_replay=None) -> GroupOut:
         """x [B, T, D]; topk [B, T, P] or None (its structure is kept: the groups' first layer
         owns an indexer and ignores it); caches: one LayerCache per position of the group,
-        stacked [R, ...]. Returns the last repeat's x and topk, the new caches stacked
-        [R, ...], indexer losses [R * full layers] and expert loads [R * MoE layers, E] in
+        stacked [R, ...]; route_replay [R * MoE layers, B, T, X] or None. Returns the last
+        repeat's x and topk, the new caches stacked [R, ...], indexer losses [R * full
+        layers], expert loads [R * MoE layers, E] and routes [R * MoE layers, B, T, X] in
         layer order."""
         # lax.scan over the split state (not nnx.scan): the forward mutates nothing, and a
         # plain scan runs at any trace level (inside an engine's or generate's own loops).
         graphdef, state = nnx.split(self.group)
 
         def body(carry, xs):
-            state_r, caches_r = xs
-            out = nnx.merge(graphdef, state_r)(*carry, cos, sin, q_pos, caches_r, indexer_loss)
-            return (out.x, out.topk), (out.caches, out.indexer_losses, out.expert_loads)
+            state_r, caches_r, replay_r = xs
+            out = nnx.merge(graphdef, state_r)(*carry, cos, sin, q_pos, caches_r, indexer_loss, replay_r)
+            return (out.x, out.topk), (out.caches, out.indexer_losses, out.expert_loads, out.routes)
 
-        (x, topk), (caches, losses, loads) = jax.lax.scan(body, (x, topk), (state, caches))
+        if route_replay is not None:  # [R * n, ...] -> [R, n, ...]: each repeat's MoE layers
+            route_replay = route_replay.reshape(self.repeats, -1, *route_replay.shape[1:])
+        (x, topk), (caches, losses, loads, routes) = jax.lax.scan(body, (x, topk), (state, caches, route_replay))
         flat = lambda a: None if a is None else a.reshape(-1, *a.shape[2:])  # noqa: E731  [R, n, ...] -> [R * n, ...]
-        return GroupOut(x, topk, caches, flat(losses), flat(loads))
+        return GroupOut(x, topk, caches, flat(losses), flat(loads), flat(routes))
 
 
 def layer_params(segment: Segment, repeat: int, position: int) -> DecoderLayer:

@@ -71,6 +71,10 @@ class Result:
     # per token, when Request.top_logprobs = k: [(token id, log-prob), ...], k of them, most
     # likely first, under the same distribution as log_probs (tokens of probability 0 left out)
     top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
+    # from an engine that records routes (GlmEngine(record_routes=True)): the experts each MoE
+    # layer chose at every position the engine ran, [len(prompt) + len(tokens) - 1, L_moe, X]
+    # int16 (the last token is never fed), -1 on the prompt positions taken from a cached prefix
+    routes: np.ndarray | None = None
 
 
 class Chunk(NamedTuple):
@@ -180,6 +184,7 @@ class _Slot:
     reused: int
     out: Result
     emitted: list[int]  # every token the engine produced, past a stop included (for the cache)
+    routes: list[np.ndarray] | None = None  # per position run so far, in order (record_routes)
 
 
 class Driver:
@@ -285,7 +290,8 @@ class Driver:
             self.stats["accepted_drafts"] += n - 1
             self.acceptance[n - 1] += 1
             self._take(i, r.tokens[0, :n], r.log_probs[0, :n], r.versions[0, :n],
-                       None if r.top_ids is None else (r.top_ids[0, :n], r.top_logps[0, :n]))
+                       None if r.top_ids is None else (r.top_ids[0, :n], r.top_logps[0, :n]),
+                       None if r.routes is None else r.routes[0, :n])
         if self.trace is not None:
             self.trace.append((start, time.perf_counter(), len(busy)))
         return self.load > 0
@@ -315,12 +321,16 @@ class Driver:
             req = handle.request
             prompt = [int(t) for t in req.prompt]
             cache, reused = self.prefixes.match(req.session_id, prompt)
+            routes = [self._unknown_routes(reused)] if e.record_routes else None
             pos, chunk = reused, e.buckets[-1]
             while len(prompt) - pos > chunk:
                 piece = np.asarray(prompt[pos:pos + chunk], np.int32)
-                cache = e.prefill_batch(params=weights, tokens=[piece], existing=[cache]).cache
+                prefix = e.prefill_batch(params=weights, tokens=[piece], existing=[cache])
+                cache = prefix.cache
+                if routes is not None:
+                    routes.append(np.asarray(prefix.routes[0]))
                 pos += chunk
-            groups.setdefault(e.bucket(len(prompt) - pos), []).append((i, handle, prompt, reused, cache, pos))
+            groups.setdefault(e.bucket(len(prompt) - pos), []).append((i, handle, prompt, reused, cache, pos, routes))
         for group in groups.values():
             try:
                 self._start(group, weights)
@@ -333,21 +343,26 @@ class Driver:
         e = self.engine
         sampling = [SamplingParams(h.request.temperature, h.request.top_k, h.request.seed) for _, h, *_ in group]
         top = any(h.request.top_logprobs for _, h, *_ in group)
-        prefix = e.prefill_batch(params=weights, tokens=[np.asarray(p[pos:], np.int32) for _, _, p, _, _, pos in group],
-                                 existing=[c for *_, c, _ in group], sampling=sampling, top_logprobs=top)
+        prefix = e.prefill_batch(params=weights, tokens=[np.asarray(p[pos:], np.int32) for _, _, p, _, _, pos, _ in group],
+                                 existing=[c for *_, c, _, _ in group], sampling=sampling, top_logprobs=top)
         self.state = e.insert_batch(prefix, self.state, [i for i, *_ in group])
         tokens, log_probs, versions = np.asarray(prefix.token), np.asarray(prefix.log_prob), np.asarray(prefix.version)
         top_ids, top_logps = (None, None) if prefix.top is None else (np.asarray(x) for x in prefix.top)
-        for row, (i, handle, prompt, reused, _, _) in enumerate(group):
+        prefilled = None if prefix.routes is None else np.asarray(prefix.routes)
+        for row, (i, handle, prompt, reused, _, pos, routes) in enumerate(group):
             self.stats["prefill_tokens"] += len(prompt) - reused
             self.stats["reused_tokens"] += reused
-            self._slots[i] = _Slot(handle, prompt, reused, Result([], [], [], "", len(prompt), reused), [])
+            if routes is not None:
+                routes.append(prefilled[row, :len(prompt) - pos])
+            self._slots[i] = _Slot(handle, prompt, reused, Result([], [], [], "", len(prompt), reused), [], routes)
             self._take(i, tokens[row:row + 1], log_probs[row:row + 1], versions[row:row + 1],
                        None if top_ids is None else (top_ids[row:row + 1], top_logps[row:row + 1]))
 
-    def _take(self, i: int, tokens, log_probs, versions, top=None) -> None:
+    def _take(self, i: int, tokens, log_probs, versions, top=None, routes=None) -> None:
         """Hands slot i's new tokens to its request; finishes it on a stop id or its budget.
-        top: (ids, log-probs) [n, max_top_logprobs] of the step's alternatives, or None."""
+        top: (ids, log-probs) [n, max_top_logprobs] of the step's alternatives, or None.
+        routes [n, L_moe, X]: the experts of the positions the step fed (the token before
+        each new one), or None."""
         slot = self._slots[i]
         req, out = slot.handle.request, slot.out
         slot.emitted.extend(int(t) for t in tokens)
@@ -366,6 +381,8 @@ class Driver:
             if reason:
                 break
         out.tokens.extend(new)
+        if routes is not None:
+            slot.routes.append(routes[:len(new)])
         self.stats["tokens"] += len(new)
         slot.handle._emit(new, out)
         if reason:
@@ -380,7 +397,15 @@ class Driver:
                               self.engine.extract(self.state, i))
         self.state = self.engine.free(self.state, i)
         slot.out.finish_reason = reason
+        if slot.routes is not None:
+            slot.out.routes = np.concatenate(slot.routes)
         slot.handle._finish(slot.out)
+
+    def _unknown_routes(self, n: int) -> np.ndarray:
+        """[n, L_moe, X] of -1: positions whose experts this request did not run (a cached prefix)."""
+        c = self.engine.config
+        layers = sum(c.is_moe(i) for i in range(c.num_hidden_layers))
+        return np.full((n, layers, c.num_experts_per_tok), -1, np.int16)
 
     def _compact(self) -> None:
         """Moves the highest-numbered requests into the free slots below them, so that the n

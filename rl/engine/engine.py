@@ -20,6 +20,10 @@ methods). Differences that callers see:
   * With `top_logprobs=True`, `generate_rows` and `prefill_batch` also return each token's
     most likely alternatives (`ResultTokens.top_ids / top_logps`, `Prefix.top`; glmjax/
     sampling.top_logprobs) from separate programs: a caller that never asks runs as before.
+  * With `record_routes=True` (an engine for routing replay), every forward also returns
+    the experts each MoE layer chose for each position it ran (`ResultTokens.routes`
+    [B, K+1, L_moe, X] for the positions a step fed, valid as its tokens are; `Prefix.routes`
+    [n, T, L_moe, X] for the prompt), int16.
   * Additions: `prefill_batch` / `insert_batch` (several requests in one call),
     `generate_rows` (a step over the first n slots), `extract` (a slot's cache as a
     batch-1 KVCache, for prefix reuse), `free` (stop a slot), `move` (a slot into another).
@@ -117,13 +121,16 @@ class SlotData:
     versions: Any
     top_ids: Any = None  # [samples, K+1, max_top_logprobs] when the step was asked for them
     top_logps: Any = None
+    routes: Any = None  # [samples, K+1, L_moe, X] the fed positions' experts, with record_routes
 
 
 @struct.dataclass
 class ResultTokens:
     """JetStream 0.2.2's ResultTokens (tokens, validity and lengths in one int32 array
     `data` [B, 2(K+1) + 1]) plus per-token log_probs [B, K+1] and versions [B, K+1], and,
-    from a step asked for them, the alternatives top_ids / top_logps [B, K+1, max_top_logprobs]."""
+    from a step asked for them, the alternatives top_ids / top_logps [B, K+1, max_top_logprobs],
+    and from an engine that records them, the experts of the positions the step fed, routes
+    [B, K+1, L_moe, X] (the pending token's, then the accepted drafts'; `valid` as the tokens)."""
 
     data: Any
     log_probs: Any
@@ -134,8 +141,9 @@ class ResultTokens:
     samples_per_slot: int = struct.field(pytree_node=False)
     top_ids: Any = None
     top_logps: Any = None
+    routes: Any = None
 
-    _ARRAYS = ("data", "log_probs", "versions", "top_ids", "top_logps")
+    _ARRAYS = ("data", "log_probs", "versions", "top_ids", "top_logps", "routes")
 
     def copy_to_host_async(self) -> None:
         for name in self._ARRAYS:
@@ -151,7 +159,8 @@ class ResultTokens:
         cols = lambda idx: self.data[rows, idx[0]:idx[1]]  # noqa: E731
         top = (None, None) if self.top_ids is None else (self.top_ids[rows], self.top_logps[rows])
         return SlotData(cols(self.tokens_idx), cols(self.valid_idx), cols(self.length_idx)[:, 0],
-                        self.log_probs[rows], self.versions[rows], *top)
+                        self.log_probs[rows], self.versions[rows], *top,
+                        None if self.routes is None else self.routes[rows])
 
 
 class Prefix(NamedTuple):
@@ -167,6 +176,7 @@ class Prefix(NamedTuple):
     top_k: jax.Array  # [n]
     rng: jax.Array  # [n] keys
     top: Any = None  # (ids, log-probs) [n, max_top_logprobs] of `token`'s alternatives, when asked
+    routes: Any = None  # [n, T, L_moe, X] int16 the experts of each prefilled position, with record_routes
 
 
 class DecodeState(NamedTuple):
@@ -196,7 +206,8 @@ class GlmEngine(_Engine):
     def __init__(self, model, *, weights: WeightStore | None = None, max_concurrent_decodes: int = 8,
                  max_len: int = 1024, max_prefill_length: int | None = None, prefill_buckets=None,
                  num_draft: int = 0, mtp_mode: str = "own", max_top_k: int = 64,
-                 mesh: jax.sharding.Mesh | None = None, rules: sharding.Rules | None = None):
+                 mesh: jax.sharding.Mesh | None = None, rules: sharding.Rules | None = None,
+                 record_routes: bool = False):
         """model: a GlmForCausalLM (its state becomes version 0 of a new WeightStore unless
         `weights` is given). num_draft: MTP drafts per step (0 = plain decoding);
         mtp_mode: "own" or "shared" (rl/engine/speculative.py).
@@ -207,9 +218,15 @@ class GlmEngine(_Engine):
         state's slots over the batch axes (rule "slots"), its cache per the cache rules
         (glmjax/cache.py); with an `expert` axis the MoE layers dispatch all-to-all. A
         `weights` store given by the caller should hold states in `param_shardings`
-        (WeightStore(..., shardings=engine.param_shardings))."""
+        (WeightStore(..., shardings=engine.param_shardings)). record_routes: every prefill and
+        step also returns the experts each MoE layer chose (module docstring), for routing
+        replay."""
         self.graphdef, state = nnx.split(model)
         self.config = model.config
+        moe = any(self.config.is_moe(i) for i in range(self.config.num_hidden_layers))
+        if record_routes and not moe:
+            raise ValueError("record_routes=True: this model has no MoE layer whose experts could be recorded")
+        self.record_routes = record_routes
         self._mesh = mesh if mesh is not None else sharding.make_mesh(devices=jax.devices()[:1])
         self.rules = sharding.rules_from(rules) if rules is not None else sharding.current_rules()
         self.param_shardings = sharding.param_shardings(state, self._mesh, self.rules)
@@ -243,13 +260,12 @@ class GlmEngine(_Engine):
         with self._on_mesh():
             self.state_shardings = self._state_shardings(jax.eval_shape(self._zero_state))
         st, rep = self.state_shardings, sharding.NamedSharding(self._mesh, sharding.PartitionSpec())
-        result = (rep,) * 3  # a step's results [B, K+1]: on every device, read by the host each step
         self._prefill_fn = jax.jit(self._prefill_impl, static_argnames=("top",))
         self._init_fn = jax.jit(self._zero_state, out_shardings=st)
-        # with the alternatives asked for: a program of its own, so the usual step stays as it was
+        # with the alternatives asked for: a program of its own, so the usual step stays as it was;
+        # a step's results ({name: [B, K+1, ...]}) on every device, read by the host each step
         self._generate_fn = {top: jax.jit(functools.partial(self._generate_rows, top=top), in_shardings=(None, st, rep),
-                                          out_shardings=(st, result + (rep,) * 2 * top), donate_argnums=(1,),
-                                          static_argnums=(3,))
+                                          out_shardings=(st, rep), donate_argnums=(1,), static_argnums=(3,))
                              for top in (False, True)}
         self._move_fn = jax.jit(self._move_impl, in_shardings=(st, rep, rep), out_shardings=st, donate_argnums=(0,))
         self._insert_fn = jax.jit(self._insert_impl, in_shardings=(None, st, rep), out_shardings=st,
@@ -420,7 +436,10 @@ class GlmEngine(_Engine):
             logits = out.logits[:, 0]  # [n, N] at each row's last real token
             logp = sampling_logprobs(logits, temperature, top_k, self.max_top_k)
             alternatives = top_logprobs(logits, logp, temperature, self.max_top_logprobs)
-        return jax.lax.with_sharding_constraint(prefix, self._prefix_shardings(prefix)), alternatives
+        prefix = jax.lax.with_sharding_constraint(prefix, self._prefix_shardings(prefix))
+        if self.record_routes:
+            prefix = prefix._replace(routes=_positions_first(out.routes))
+        return prefix, alternatives
 
     def _prefix_shardings(self, prefix: Prefix) -> Prefix:
         """A Prefix of n rows laid out as n slots of the decode state."""
@@ -500,7 +519,7 @@ class GlmEngine(_Engine):
         targets = np.full((rows,), self._slots, np.int32)  # out of range: dropped
         targets[:len(slots)] = slots
         with self._on_mesh():
-            return self._insert_fn(prefix._replace(top=None), decode_state, jnp.asarray(targets))
+            return self._insert_fn(prefix._replace(top=None, routes=None), decode_state, jnp.asarray(targets))
 
     @staticmethod
     def _insert_impl(prefix: Prefix, state: DecodeState, slots):
@@ -560,7 +579,8 @@ class GlmEngine(_Engine):
             state, out = self._generate_fn[bool(top_logprobs)](self._leaves(w), decode_state, np.int32(w.version),
                                                                rows)
         k1 = self.num_draft + 1
-        return state, ResultTokens(*out[:3], (0, k1), (k1, 2 * k1), (2 * k1, 2 * k1 + 1), 1, *out[3:])
+        return state, ResultTokens(tokens_idx=(0, k1), valid_idx=(k1, 2 * k1), length_idx=(2 * k1, 2 * k1 + 1),
+                                   samples_per_slot=1, **out)
 
     def _generate_rows(self, leaves, state: DecodeState, version, rows: int, top: bool):
         """The step on slots [0, rows), written back in place; results padded to every slot."""
@@ -571,7 +591,7 @@ class GlmEngine(_Engine):
             cache=state.cache.rows(0, rows)), version, top)
         state = jax.tree.map(lambda full, part: full.at[:rows].set(part), rest, new._replace(cache=None))._replace(
             cache=state.cache.with_rows(0, new.cache))
-        return state, tuple(jnp.pad(x, [(0, self._slots - rows)] + [(0, 0)] * (x.ndim - 1)) for x in out)
+        return state, jax.tree.map(lambda x: jnp.pad(x, [(0, self._slots - rows)] + [(0, 0)] * (x.ndim - 1)), out)
 
     def _generate_impl(self, leaves, state: DecodeState, version, top: bool):
         model = self._model(leaves)
@@ -596,7 +616,15 @@ class GlmEngine(_Engine):
                              generated=generated)
         versions = jnp.full(tokens.shape, version, jnp.int32)
         data = jnp.concatenate([tokens, valid.astype(jnp.int32), generated[:, None]], axis=1)  # ResultTokens.data
-        if not top:
-            return new, (data, log_probs, versions)
-        top_ids, top_logps = top_logprobs(logits, target_logp, state.temperature, self.max_top_logprobs)
-        return new, (data, log_probs, versions, top_ids, top_logps)
+        results = {"data": data, "log_probs": log_probs, "versions": versions}
+        if top:
+            results["top_ids"], results["top_logps"] = top_logprobs(logits, target_logp, state.temperature,
+                                                                    self.max_top_logprobs)
+        if self.record_routes:  # the experts of fed[:, j], kept where the cache keeps it (j <= accepted)
+            results["routes"] = _positions_first(out.routes)
+        return new, results
+
+
+def _positions_first(routes: jax.Array) -> jax.Array:
+    """A forward's routes [L_moe, B, T, X] as [B, T, L_moe, X] int16 (experts number < 2^15)."""
+    return jnp.transpose(routes, (1, 2, 0, 3)).astype(jnp.int16)
