@@ -25,8 +25,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from rl.engine.driver import Request, Result
-from rl.rollout import Trajectory, decode, encode
+from rl.rollout import RouteLog, Trajectory, decode, encode
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +68,7 @@ class Segment:
     log_probs: list[float]
     versions: list[int]
     observation_mask: list[int]
+    routes: np.ndarray | None = None  # [prompt + completion, L_moe, X] the engine's experts (rollout.RouteLog)
 
 
 class Answer:
@@ -94,6 +97,7 @@ class Answer:
         self.finish_reason: str | None = None
         self._kept: list[int] | None = None  # the cut answer while its summary is being written
         self._answer: Result | None = None
+        self.routes = RouteLog()  # the engine's experts over the open segment's positions
         self._requests = 0
 
     @property
@@ -134,6 +138,7 @@ class Answer:
         if result.finish_reason in ("error", "cancelled"):
             self.finish_reason = result.finish_reason
             return
+        self.routes.add(result)
         if not self.summarising:
             self._receive_answer(result)
         else:
@@ -169,13 +174,16 @@ class Answer:
         obs = [0] * len(completion)
         if observation_at is not None:
             obs[observation_at] = 1
-        self.segments.append(Segment(list(self.context), list(completion), list(log_probs), list(versions), obs))
+        routes = self.routes.take(len(self.context) + len(completion))
+        self.segments.append(Segment(list(self.context), list(completion), list(log_probs), list(versions), obs, routes))
+        self.routes = RouteLog()
 
     def trajectories(self, reward: float, rollout_id: int, **meta) -> list[Trajectory]:
         """The learner rows of a finished rollout, one per segment (reward on each; the
         learner reads the last segment's)."""
         return [Trajectory(s.prompt, s.completion, s.log_probs, s.versions, reward, rollout_id=rollout_id,
                            segment_index=i, observation_mask=s.observation_mask if any(s.observation_mask) else None,
+                           routes=s.routes,
                            finish_reason=self.finish_reason if i == len(self.segments) - 1 else "compacted", **meta)
                 for i, s in enumerate(self.segments)]
 

@@ -233,6 +233,10 @@ class CompactionConfig:
     max_segments: int = 4
 
 
+ROUTING_REPLAY = ("off", "measure", "on")
+ROLLOUT_CORRECTIONS = ("none", "tis", "sequence_mask")
+
+
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
     """`config.rl`: the RL loop, its algorithm (rl/algorithms.py) and its engine."""
@@ -280,6 +284,17 @@ class RLConfig:
     # the engine on devices of its own, after the learner's: their axis sizes, e.g.
     # "expert=2,tensor=2" ("": on the learner's devices)
     engine_mesh: str = ""
+    # Training-inference mismatch on MoE routing (rl/learner.py): "measure" has the engine record
+    # the experts it chose at every position and the job log how often the learner's routers
+    # choose otherwise; "on" (R3, arXiv 2510.11370) also makes the learner run the engine's
+    # experts; "off" does neither
+    routing_replay: str = "off"
+    # Importance correction of the engine/learner log-prob gap: "tis" weighs each action token by
+    # min(pi_learner / pi_engine, correction_cap); "sequence_mask" drops the rollouts whose
+    # geometric-mean ratio leaves [1 / correction_cap, correction_cap]; either makes the
+    # algorithm's ratio pi_theta / pi_learner (decoupled); "none": pi_theta / pi_engine
+    rollout_correction: str = "none"
+    correction_cap: float = 2.0
     replay: ReplayConfig = ReplayConfig()
     compaction: CompactionConfig = CompactionConfig()
 
@@ -304,6 +319,13 @@ class RLConfig:
             raise ValueError(f"rl.reward_shaping={self.reward_shaping!r} is invalid: expected one of {SHAPINGS}")
         if self.engine_rules not in ("learner", "decode"):
             raise ValueError(f"rl.engine_rules={self.engine_rules!r} is invalid: expected 'decode' or 'learner'")
+        if self.routing_replay not in ROUTING_REPLAY:
+            raise ValueError(f"rl.routing_replay={self.routing_replay!r} is invalid: expected one of {ROUTING_REPLAY}")
+        if self.rollout_correction not in ROLLOUT_CORRECTIONS:
+            raise ValueError(f"rl.rollout_correction={self.rollout_correction!r} is invalid: expected one of "
+                             f"{ROLLOUT_CORRECTIONS}")
+        if self.correction_cap <= 1:
+            raise ValueError(f"rl.correction_cap={self.correction_cap} is invalid: expected > 1")
 
     @property
     def uses_critic(self) -> bool:

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 
 from rl.compaction import Compaction
 from rl.engine.driver import Request, Result
-from rl.rollout import Trajectory
+from rl.rollout import RouteLog, Trajectory
 
 
 class Episode:
@@ -61,7 +61,8 @@ class Episode:
         self.versions: list[int] = []
         self.obs_mask: list[int] = []
         self.requests: list[list[int]] = []  # every model turn's prompt, as submitted
-        self.segments: list[tuple] = []  # closed segments: (prompt, row, log_probs, versions, obs_mask)
+        self.segments: list[tuple] = []  # closed segments: (prompt, row, log_probs, versions, obs_mask, routes)
+        self.routes = RouteLog()  # the engine's experts over the current segment's positions
         self._phase = "reset"
         self._turn: list[int] = []  # the last model turn's tokens
         self._summary: bool = False
@@ -94,6 +95,7 @@ class Episode:
             self.info["error"] = result.error
             return
         self._turn = list(result.tokens)
+        self.routes.add(result)
         self.row += self._turn
         self.log_probs += list(result.log_probs)
         self.versions += list(result.versions)
@@ -105,12 +107,16 @@ class Episode:
         self._phase = "step"
 
     def trajectories(self, rollout_id: int, **meta) -> list[Trajectory]:
-        segments = self.segments + [(self.prompt, self.row, self.log_probs, self.versions, self.obs_mask)]
+        segments = self.segments + [self._segment()]
         last = len(segments) - 1
         return [Trajectory(list(p), list(r), list(lp), list(v), self.reward, rollout_id=rollout_id, segment_index=i,
-                           observation_mask=list(m) if any(m) else None,
+                           observation_mask=list(m) if any(m) else None, routes=routes,
                            finish_reason=self.finish_reason if i == last else "compacted", **meta)
-                for i, (p, r, lp, v, m) in enumerate(segments)]
+                for i, (p, r, lp, v, m, routes) in enumerate(segments)]
+
+    def _segment(self) -> tuple:
+        return (self.prompt, self.row, self.log_probs, self.versions, self.obs_mask,
+                self.routes.take(len(self.prompt) + len(self.row)))
 
     def close(self) -> None:
         self.env.close()
@@ -188,7 +194,8 @@ class Episode:
     def _new_segment(self) -> None:
         """The summary is written: close the segment; the next starts from the task and the
         summary (then the output that did not fit, if a command's output set it off)."""
-        self.segments.append((self.prompt, self.row, self.log_probs, self.versions, self.obs_mask))
+        self.segments.append(self._segment())
+        self.routes = RouteLog()
         summary, version = self._turn, self.versions[-1]
         start = self.chat.start(self.instruction, self.system)
         head = start[:-1] + self.chat.encode_text(self.compaction.open) + summary

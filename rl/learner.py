@@ -63,8 +63,11 @@ class ValueModel(nnx.Module):
         return jnp.pad(v[:, :-1], ((0, 0), (1, 0)))
 
 
-def token_logprobs(model: GlmForCausalLM, tokens: jax.Array, temperature: float = 1.0):
+def token_logprobs(model: GlmForCausalLM, tokens: jax.Array, temperature: float = 1.0, route_replay=None,
+                   with_routes: bool = False):
     """log p(tokens[t] | tokens[:t]) and the entropy of that distribution, [B, T]; 0 at t = 0.
+    route_replay [B, T, L_moe, X] (the engine's experts per position, -1 where the routers
+    choose): routing replay; with_routes: also the routers' own choice [B, T, L_moe, X].
 
     p is softmax(logits / temperature): the distribution the engine sampled from, so the
     importance ratio against its recorded log-probs is 1 for unchanged weights. The LM head
@@ -72,7 +75,8 @@ def token_logprobs(model: GlmForCausalLM, tokens: jax.Array, temperature: float 
     the [B, T, N] logits (N = 154,880 for GLM-5: 5 GB per 8k-token sequence in fp32) never
     exist whole, only [B, LOGITS_CHUNK, N]."""
     b, t = tokens.shape
-    out = model(tokens, logits_at=jnp.zeros((b, 0), jnp.int32))  # the trunk alone: no head over T
+    replay = None if route_replay is None else jnp.transpose(route_replay, (2, 0, 1, 3))  # [L_moe, B, T, X]
+    out = model(tokens, logits_at=jnp.zeros((b, 0), jnp.int32), route_replay=replay)  # the trunk: no head over T
     h = model.norm(out.hidden)[:, :-1]  # [B, T-1, D]: position t predicts token t + 1
 
     def chunk(h, targets):  # [B, C, D], [B, C] -> log-prob and entropy [B, C]
@@ -82,6 +86,8 @@ def token_logprobs(model: GlmForCausalLM, tokens: jax.Array, temperature: float 
 
     logp, entropy = map_query_blocks(chunk, LOGITS_CHUNK, h, tokens[:, 1:])
     pad = lambda x: jnp.pad(x, ((0, 0), (1, 0)))  # noqa: E731
+    if with_routes:
+        return pad(logp), pad(entropy), jnp.transpose(out.routes, (1, 2, 0, 3))
     return pad(logp), pad(entropy)
 
 
@@ -107,16 +113,25 @@ def _policy_objective(policy, batch: sao.Batch, advantages, weights, rl, logp_re
     """The algorithm's policy loss (rl/algorithms.py), plus rl.kl_coef x KL to the starting
     policy when a reference is given, plus the distillation term when a teacher is
     (`Distillation`)."""
+    routes, mismatch = None, {}
     if teacher is None:
-        logp, entropy = token_logprobs(policy, batch.tokens, rl.temperature)
+        replay = batch.routes if rl.routing_replay == "on" else None
+        if batch.routes is None:
+            logp, entropy = token_logprobs(policy, batch.tokens, rl.temperature)
+        else:
+            logp, entropy, routes = token_logprobs(policy, batch.tokens, rl.temperature, replay, with_routes=True)
         logp_all = None
     else:  # one forward for the sampled tokens' log-probs and the whole distribution
         logp_all, logp = distill_losses.student_logp_all(policy, batch.tokens, rl.temperature)
         entropy = None
     mask = batch.action_mask
-    loss, aux = ALGORITHMS[rl.algorithm].loss(logp, batch.logp_rollout, advantages, mask, weights, rl)
+    if routes is not None:
+        mismatch = routing_mismatch(routes, batch.routes, mask, replayed=rl.routing_replay == "on")
+    logp_old, weights, correction = rollout_correction(jax.lax.stop_gradient(logp), batch.logp_rollout, mask,
+                                                       weights, rl)
+    loss, aux = ALGORITHMS[rl.algorithm].loss(logp, logp_old, advantages, mask, weights, rl)
     m = mask.astype(jnp.float32)
-    aux = dict(aux, policy_loss=loss)
+    aux = dict(aux, **mismatch, **correction, policy_loss=loss)
     if entropy is not None:
         aux["entropy"] = jnp.sum(entropy * m) / jnp.maximum(m.sum(), 1.0)
     if logp_ref is not None:  # L + beta KL(pi_theta || pi_ref) (rl.kl_coef)
@@ -128,6 +143,54 @@ def _policy_objective(policy, batch: sao.Batch, advantages, weights, rl, logp_re
         loss = loss + distill.dist_weight * dist_kl
         aux = dict(aux, dist_kl=dist_kl)
     return loss, aux
+
+
+def routing_mismatch(own: jax.Array, engine: jax.Array, action_mask: jax.Array, replayed: bool) -> dict:
+    """How the learner's routing compares with the engine's. own, engine [B, T, L_moe, X]
+    (engine -1 where it ran nothing), action_mask [B, T]. Over the positions where the
+    engine's experts are known:
+      routing_mismatch_tokens  the fraction whose experts differ (as sets) in any MoE layer
+      routing_mismatch_layers  the fraction of (position, layer) pairs that differ
+    and routing_replayed: the fraction of the positions that score an action token (t - 1
+    for action token t) at which the learner ran the engine's experts (1.0 with replay on
+    and every such position recorded; 0.0 without replay)."""
+    known = engine[..., 0, 0] >= 0  # [B, T]
+    differs = jnp.any(jnp.sort(own, -1) != jnp.sort(engine.astype(own.dtype), -1), -1)  # [B, T, L_moe]
+    k = known.astype(jnp.float32)
+    n = jnp.maximum(k.sum(), 1.0)
+    scoring = jnp.pad(action_mask[:, 1:] > 0, ((0, 0), (0, 1)))  # position t - 1 of each action token t
+    replay = (known & scoring).sum() / jnp.maximum(scoring.sum(), 1) if replayed else jnp.float32(0.0)
+    return {"routing_mismatch_tokens": jnp.sum(jnp.any(differs, -1) * k) / n,
+            "routing_mismatch_layers": jnp.sum(differs.mean(-1) * k) / n, "routing_replayed": replay}
+
+
+def rollout_correction(logp_learner, logp_rollout, action_mask, weights, rl):
+    """The engine/learner gap and its correction (`rl.rollout_correction`; slime's --use-tis,
+    verl's rollout correction). logp_learner [B, T] (this step's, before the update,
+    detached), logp_rollout [B, T] the engine's. Returns (the log-probs the algorithm's
+    ratio is taken against, the token weights, metrics):
+      gap_t = log pi_learner(a_t) - log pi_engine(a_t)        on action tokens
+      tis            w_t <- w_t min(exp(gap_t), C)
+      sequence_mask  w_t <- w_t [exp(mean_t gap_t) in [1/C, C]]   per row
+    both with the ratio pi_theta / pi_learner; "none" keeps pi_theta / pi_engine.
+    logp_gap_mean / logp_gap_max: the mean and max |gap_t| over action tokens."""
+    m = action_mask > 0
+    gap = jnp.where(m, logp_learner.astype(jnp.float32) - logp_rollout.astype(jnp.float32), 0.0)
+    metrics = {"logp_gap_mean": jnp.sum(jnp.abs(gap)) / jnp.maximum(m.sum(), 1),
+               "logp_gap_max": jnp.max(jnp.abs(gap))}
+    if rl.rollout_correction == "none":
+        return logp_rollout, weights, metrics
+    cap = rl.correction_cap
+    if rl.rollout_correction == "tis":
+        factor = jnp.minimum(jnp.exp(gap), cap)
+        metrics["tis_weight_mean"] = jnp.sum(factor * m) / jnp.maximum(m.sum(), 1)
+    else:
+        mean = gap.sum(1) / jnp.maximum(m.sum(1), 1)  # [B] log of the geometric-mean ratio
+        keep = jnp.abs(mean) <= jnp.log(cap)
+        factor = jnp.broadcast_to(keep[:, None], gap.shape).astype(jnp.float32)
+        rows = m.any(1)
+        metrics["masked_rollouts"] = jnp.sum(rows & ~keep) / jnp.maximum(rows.sum(), 1)
+    return logp_learner, weights * factor, metrics
 
 
 def _actor_grads(policy, batch, advantages, weights, rl, reference=None, teacher=None, distill=None):
@@ -323,6 +386,8 @@ class Learner:
             self.skipped += 1
             return {"skipped_nonfinite": 1.0}
         rl, metrics = self.rl, {}
+        if rl.routing_replay == "off" and batch.routes is not None:
+            batch = batch._replace(routes=None)
         place = jnp.asarray if self.mesh is None else lambda x: distributed.global_batch(x, self.mesh)  # noqa: E731
         batch = distributed.global_batch(batch, self.mesh)
         weights = _token_weights(batch.action_mask, batch.rollout_id)

@@ -51,6 +51,9 @@ class Trajectory:
     finish_reason: str = "stop"
     observation_mask: list[int] | None = None  # 1 on completion tokens that are tool output, not actions
     raw_reward: float | None = None  # the verifier's, when `reward` is shaped (envs/reward.py)
+    # the engine's experts at each position of prompt + completion [length, L_moe, X] int16,
+    # -1 where it ran none (RouteLog); None from an engine that does not record routes
+    routes: np.ndarray | None = None
 
     @property
     def length(self) -> int:
@@ -58,6 +61,37 @@ class Trajectory:
 
     def staleness(self, version: int) -> int:
         return version - min(self.versions) if self.versions else 0
+
+
+class RouteLog:
+    """The experts the engine chose at each position of one token sequence (a segment:
+    prompt + completion), merged from the Results of the requests that ran its positions:
+    each request's context is a prefix of the segment, so its Result.routes row p is
+    position p (a turn's reused prefix is -1 there, and the turn before ran it)."""
+
+    def __init__(self):
+        self.rows: np.ndarray | None = None  # [positions so far, L_moe, X]
+
+    def add(self, result: Result) -> None:
+        new = result.routes
+        if new is None:
+            return
+        if self.rows is None or len(self.rows) < len(new):
+            grown = np.full((len(new), *new.shape[1:]), -1, np.int16)
+            if self.rows is not None:
+                grown[:len(self.rows)] = self.rows
+            self.rows = grown
+        known = new[:, 0, 0] >= 0
+        self.rows[:len(new)][known] = new[known]
+
+    def take(self, length: int) -> np.ndarray | None:
+        """[length, L_moe, X]: the known positions, -1 past them; None if nothing was recorded."""
+        if self.rows is None:
+            return None
+        out = np.full((length, *self.rows.shape[1:]), -1, np.int16)
+        n = min(length, len(self.rows))
+        out[:n] = self.rows[:n]
+        return out
 
 
 class Rollout(Protocol):
@@ -161,12 +195,15 @@ def to_batch(trajectories: Sequence[Trajectory], length: int | None = None, pad_
              rows: int | None = None) -> sao.Batch:
     """Right-padded learner arrays [B, T]; T is the longest row (or `length`), B the number
     of trajectories (or `rows`: the extra rows are empty, each its own rollout, so a
-    varying number of compacted segments keeps one shape)."""
+    varying number of compacted segments keeps one shape). With routes recorded, the
+    engine's experts [B, T, L_moe, X] (-1 where unknown) for routing replay."""
     t = length or max(tr.length for tr in trajectories)
     b = rows or len(trajectories)
     if b < len(trajectories):
         raise ValueError(f"{len(trajectories)} trajectories do not fit in rows={rows}")
     tokens = np.full((b, t), pad_id, np.int32)
+    shape = next((tr.routes.shape[1:] for tr in trajectories if tr.routes is not None), None)
+    routes = None if shape is None else np.full((b, t, *shape), -1, np.int16)
     mask = np.zeros((b, t), np.float32)
     logp = np.zeros((b, t), np.float32)
     versions = np.zeros((b, t), np.int32)
@@ -181,6 +218,8 @@ def to_batch(trajectories: Sequence[Trajectory], length: int | None = None, pad_
         mask[i, p:p + n] = action
         logp[i, p:p + n] = tr.log_probs
         versions[i, p:p + n] = tr.versions
+        if routes is not None and tr.routes is not None:
+            routes[i, :len(tr.routes)] = tr.routes
     pad = b - len(trajectories)
     rewards = [tr.reward for tr in trajectories] + [0.0] * pad
     first_free = max([tr.rollout_id for tr in trajectories], default=-1) + 1
@@ -190,7 +229,7 @@ def to_batch(trajectories: Sequence[Trajectory], length: int | None = None, pad_
         tokens=jnp.asarray(tokens), action_mask=jnp.asarray(mask), logp_rollout=jnp.asarray(logp),
         versions=jnp.asarray(versions), rewards=jnp.asarray(rewards, jnp.float32),
         values=jnp.zeros((b, t), jnp.float32), rollout_id=jnp.asarray(rollout_ids),
-        segment_index=jnp.asarray(segments, jnp.int32))
+        segment_index=jnp.asarray(segments, jnp.int32), routes=None if routes is None else jnp.asarray(routes))
 
 
 def encode(text: str) -> list[int]:

@@ -57,12 +57,17 @@ class Batch(NamedTuple):
     values: jax.Array  # [B, T] value-model estimates (snapshot before the update)
     rollout_id: jax.Array  # [B] int
     segment_index: jax.Array  # [B] int
+    routes: jax.Array | None = None  # [B, T, L_moe, X] int16 the engine's experts per position, -1 unknown
 
     def check(self) -> Batch:
         """Raises ValueError naming the field whose shape is not [B, T] / [B]."""
         b, t = self.tokens.shape
         for name, value in self._asdict().items():
+            if value is None:
+                continue
             want = (b,) if name in ("rewards", "rollout_id", "segment_index") else (b, t)
+            if name == "routes":
+                want = (b, t, *value.shape[2:])
             if tuple(value.shape) != want:
                 raise ValueError(f"Batch.{name} has shape {tuple(value.shape)}, expected {want} (B={b}, T={t})")
         return self

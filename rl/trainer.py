@@ -86,6 +86,10 @@ def check_config(cfg) -> JobConfig:
         check_checkpoint(job)
     if job.rl.engine_mesh:
         _engine_devices(job)
+    m = job.model
+    if job.rl.routing_replay != "off" and not any(m.is_moe(i) for i in range(m.num_hidden_layers)):
+        raise ValueError(f"rl.routing_replay={job.rl.routing_replay!r} records MoE routing; this model has no MoE "
+                         "layer: set it to 'off'")
     return job
 
 
@@ -461,15 +465,16 @@ def _engine(job: JobConfig, policy, mesh) -> GlmEngine:
     # a step verifies `drafts` tokens past the last one kept: the cache has room for them
     max_len = job.task.max_len + drafts
     own = engine_mesh(job, mesh)
+    record = rl.routing_replay != "off"  # the experts of every position, for the learner (rl/learner.py)
     if mesh is None and own is None:
         return GlmEngine(policy, weights=WeightStore(nnx.state(policy)), max_concurrent_decodes=rl.slots,
-                         max_len=max_len, num_draft=drafts)
+                         max_len=max_len, num_draft=drafts, record_routes=record)
     rules = ENGINE_RULES[rl.engine_rules] or sharding.current_rules()
     where = own if own is not None else distributed.local_mesh(mesh)  # several processes: each its own devices
     state = nnx.state(policy)
     store = WeightStore(state, shardings=sharding.param_shardings(state, where, rules))
     return GlmEngine(policy, weights=store, max_concurrent_decodes=rl.slots, max_len=max_len, mesh=where,
-                     rules=rules, num_draft=drafts)
+                     rules=rules, num_draft=drafts, record_routes=record)
 
 
 def engine_mesh(job: JobConfig, mesh):
