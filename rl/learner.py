@@ -91,13 +91,19 @@ def token_logprobs(model: GlmForCausalLM, tokens: jax.Array, temperature: float 
     return pad(logp), pad(entropy)
 
 
+def _buffers(x) -> set:
+    return {(s.device.id, s.data.unsafe_buffer_pointer()) for s in x.addressable_shards}
+
+
 def _own_arrays(module, *others) -> None:
-    """Gives `module` copies of the arrays it shares with `others` (nnx.clone shares them):
-    a step that donates its arrays must not delete another module's."""
-    shared = {id(x) for other in others for x in jax.tree.leaves(nnx.state(other))}
+    """Gives `module` copies of the arrays whose device buffers it shares with `others`
+    (nnx.clone shares the arrays; `jax.device_put` into an equivalent sharding gives a new
+    array over the same buffers): a step that donates its arrays must not delete another
+    module's."""
+    shared = {b for other in others for x in jax.tree.leaves(nnx.state(other)) for b in _buffers(x)}
     state = nnx.state(module)
-    if any(id(x) in shared for x in jax.tree.leaves(state)):
-        nnx.update(module, jax.tree.map(lambda x: jnp.copy(x) if id(x) in shared else x, state))
+    if any(_buffers(x) & shared for x in jax.tree.leaves(state)):
+        nnx.update(module, jax.tree.map(lambda x: jnp.copy(x) if _buffers(x) & shared else x, state))
 
 
 def _optimizer(model, lr: float, clip: float, wrt, warmup: int = 0) -> nnx.Optimizer:

@@ -224,3 +224,25 @@ def test_donating_steps_leave_the_arrays_of_modules_cloned_from_the_policy():
     lrn.step(batch._replace(logp_rollout=learner.token_logprobs(policy, batch.tokens)[0]))
     for got, want in zip(jax.tree.leaves(nnx.state(lrn.reference)), jax.tree.leaves(start)):
         np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_a_critic_cloned_after_supervised_steps_shares_no_buffer_with_the_policy():
+    """On fsdp=4, a policy after supervised steps (the trainer's base, trained in the same
+    process) and its clone as the critic, placed on the mesh as the trainer places it: some
+    of the critic's arrays are new objects over the policy's own buffers, which the
+    critic's donating steps would delete (the indexer's, which no actor step rewrites, so
+    the next publish failed); the learner copies by buffer, not by array object."""
+    from glmjax import sharding
+    from rl.base_model import supervised
+    from rl.config import BaseConfig
+
+    mesh = glmjax.make_mesh(fsdp=4, devices=jax.devices()[:4])
+    batch = _batch()
+    with sharding.use_mesh(mesh):
+        policy = glmjax.init_model(CONFIG, seed=0, mesh=mesh)
+        ids = np.asarray(batch.tokens)
+        supervised(policy, ids, np.ones(ids.shape, np.float32), BaseConfig(steps=2, batch_size=4, warmup=0), mesh=mesh)
+        critic = sharding.shard_model(learner.ValueModel(nnx.clone(policy)), mesh)
+        lrn = learner.Learner(policy, critic, dataclasses.replace(CFG, critic_warmup=1), mesh=mesh, donate_policy=True)
+        lrn.step(batch._replace(logp_rollout=learner.token_logprobs(policy, jnp.asarray(batch.tokens))[0]))
+    assert not [p for p, x in jax.tree_util.tree_leaves_with_path(nnx.state(policy)) if x.is_deleted()]
