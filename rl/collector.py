@@ -10,7 +10,8 @@ or for environment work (a command, a verifier), which runs in a pool of `worker
 threads, so the engine keeps decoding other rollouts while one waits for its sandbox.
 A rollout whose environment raises is dropped ("env_error"), one whose environment work
 outlives `env_timeout` seconds is abandoned ("env_timeout"), one the engine failed
-("error") or that finished more than `tau` versions behind ("stale") too; `dropped`
+("error"), whose engine group failed under it ("engine_group_failed", rl/engine/groups.py)
+or that finished more than `tau` versions behind ("stale") too; `dropped`
 counts each cause, and the loop goes on. A group (`group_size` rollouts of one prompt,
 GRPO) goes to the learner once all its members are finished; its kept members train.
 With `dynamic_sampling` (DAPO, `sao.dapo_keep_group`) a complete group whose kept
@@ -35,6 +36,7 @@ import time
 from rl import rollout as ro
 from rl import sao
 from rl.engine.driver import Driver, Handle, Request
+from rl.engine.groups import DOWN as GROUP_DOWN
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +98,11 @@ class Collector:
                 self._advance(task, self.make_rollout(task, rid), rid, version)
         for h in [h for h in self._engine if h.done()]:
             task, r, rid = self._engine.pop(h)
-            r.receive(h.result())
+            result = h.result()
+            if result.finish_reason == "error" and (result.error or "").startswith(GROUP_DOWN):
+                self._drop(r, rid, "engine_group_failed")  # its engine group failed: rl/engine/groups.py
+                continue
+            r.receive(result)
             self._advance(task, r, rid, version)
         now = time.time()
         for f in list(self._env):

@@ -284,6 +284,11 @@ class RLConfig:
     # the engine on devices of its own, after the learner's: their axis sizes, e.g.
     # "expert=2,tensor=2" ("": on the learner's devices)
     engine_mesh: str = ""
+    # engines over blocks of the learner's devices, each over rl.engine_mesh, behind one router
+    # (rl/engine/groups.py); a group that stops, or holds requests without a step for
+    # engine_stall_seconds, has its rollouts in flight dropped and is rebuilt
+    engine_groups: int = 1
+    engine_stall_seconds: float = 120.0
     # Training-inference mismatch on MoE routing (rl/learner.py): "measure" has the engine record
     # the experts it chose at every position and the job log how often the learner's routers
     # choose otherwise; "on" (R3, arXiv 2510.11370) also makes the learner run the engine's
@@ -311,7 +316,12 @@ class RLConfig:
         _at_least("rl", self, 0, "eta", note=" (0 = synchronous)")
         _at_least("rl", self, 0, "kl_coef", "num_draft", "mtp_lr", "overlong_buffer", "validate_every",
                   "critic_warmup", "actor_warmup", "export_every", note=" (0 = off)")
-        _at_least("rl", self, 1, "slots")
+        _at_least("rl", self, 1, "slots", "engine_groups")
+        if self.engine_groups > 1 and not self.engine_mesh:
+            raise ValueError(f"rl.engine_groups={self.engine_groups} needs rl.engine_mesh: each group's axis sizes, "
+                             "e.g. expert=2,tensor=2 (the groups split the learner's devices)")
+        if self.engine_stall_seconds <= 0:
+            raise ValueError(f"rl.engine_stall_seconds={self.engine_stall_seconds} is invalid: expected > 0")
         _at_least("rl", self, 0, "steps", "tau", "critic_steps")
         if self.temperature <= 0:
             raise ValueError(f"rl.temperature={self.temperature} is invalid: expected > 0")

@@ -61,6 +61,8 @@ from rl.compaction import Compaction
 from rl.config import JobConfig
 from rl.engine.driver import Driver
 from rl.engine.engine import GlmEngine
+from rl.engine.groups import EngineGroups
+from rl.engine.groups import describe as describe_groups
 from rl.engine.weights import WeightStore
 from rl.evaluation import evaluate_tasks, matrix
 from rl.export import export
@@ -167,13 +169,17 @@ class Loop:
         self.critic = ValueModel(self._critic_trunk()) if rl.uses_critic else None
         if self.critic is not None and mesh is not None:  # its head, made on one device, joins the mesh
             self.critic = sharding.shard_model(self.critic, mesh)
-        self.engine = _engine(job, self.policy, mesh)
-        self.store = self.engine.weights
+        self.groups = _engine_groups(job, self.policy, mesh) if rl.engine_groups > 1 else None
+        if self.groups is not None:  # the groups' router serves the rollouts; group 0's engine the evaluations
+            self.engine, self.store, self.driver = self.groups.engine, self.groups.store, self.groups
+        else:
+            self.engine = _engine(job, self.policy, mesh)
+            self.store = self.engine.weights
+            self.driver = Driver(self.engine)
         # an engine that decodes from copies leaves the policy's arrays to the learner alone
         self.learner = Learner(self.policy, self.critic, rl, mesh=mesh,
                                donate_policy=self.store.copies(nnx.state(self.policy)))
-        _describe_placement(job, self.engine, mesh)
-        self.driver = Driver(self.engine)
+        _describe_placement(job, self.engine, mesh, self.groups)
         self.compaction = rl_tasks.compaction(job)
         self._warmup()
         self.processes = jax.process_count()
@@ -208,8 +214,10 @@ class Loop:
         """Every prefill shape compiled now, so that no rollout waits for a compile mid-run."""
         start = time.time()
         if self.job.rl.warmup_compile:
-            self.engine.warmup(buckets=_prefill_buckets(self.engine, self.train_tasks + self.heldout, self.compaction,
-                                                        rl_tasks.job_chat(self.job)))
+            buckets = _prefill_buckets(self.engine, self.train_tasks + self.heldout, self.compaction,
+                                       rl_tasks.job_chat(self.job))
+            for engine in self.groups.engines if self.groups is not None else [self.engine]:
+                engine.warmup(buckets=buckets)
         self.warmup_seconds = time.time() - start
 
     def _resume(self) -> None:
@@ -399,6 +407,8 @@ class Loop:
                    "learner_busy_fraction": self.totals["learner_seconds"] / self.rl_seconds,
                    "relative_gain": (final["pass_rate"] - base["pass_rate"]) / max(base["pass_rate"], 1e-9),
                    "resumed_from_step": self.resumed["step"] if self.resumed else None, "processes": self.processes}
+        if self.groups is not None:  # how the router spread the rollouts, and what failed
+            summary["engine_groups"] = self.groups.utilisation()
         if self.engine.num_draft:  # over this process's training rollouts
             stats = self.driver.stats
             summary.update(num_draft=self.engine.num_draft,
@@ -477,12 +487,28 @@ def _engine(job: JobConfig, policy, mesh) -> GlmEngine:
                      rules=rules, num_draft=drafts, record_routes=record)
 
 
+def _engine_groups(job: JobConfig, policy, mesh) -> EngineGroups:
+    """`rl.engine_groups` engines over blocks of the learner's devices (rl/engine/groups.py),
+    in the layout `rl.engine_rules` names, each over `rl.engine_mesh`."""
+    rl = job.rl
+    if jax.process_count() > 1:
+        raise ValueError(f"rl.engine_groups={rl.engine_groups} runs in one process; this job has "
+                         f"{jax.process_count()}: use rl.engine_groups=1 (one engine per process)")
+    if mesh is None:
+        raise ValueError(f"rl.engine_groups={rl.engine_groups} splits the learner's devices: give config.mesh")
+    rules = ENGINE_RULES[rl.engine_rules] or sharding.current_rules()
+    return EngineGroups.build(policy, mesh, rl.engine_groups, sharding.parse_axes(rl.engine_mesh), rules,
+                              stall_seconds=rl.engine_stall_seconds, max_concurrent_decodes=rl.slots,
+                              max_len=job.task.max_len + rl.num_draft, num_draft=rl.num_draft,
+                              record_routes=rl.routing_replay != "off")
+
+
 def engine_mesh(job: JobConfig, mesh):
     """The engine's own mesh when `rl.engine_mesh` gives one ("expert=2,tensor=2"), None
     when it decodes on the learner's devices: the devices that follow the learner's (devices
     4-7 after a learner on 0-3), as many as the learner has, so that publishing copies each
     parameter shard device to device (rl/engine/weights.py)."""
-    if not job.rl.engine_mesh:
+    if not job.rl.engine_mesh or job.rl.engine_groups > 1:
         return None
     learner = mesh.size if mesh is not None else 1
     return sharding.make_mesh(**_engine_devices(job), devices=jax.devices()[learner:2 * learner])
@@ -493,6 +519,12 @@ def _engine_devices(job: JobConfig) -> dict[str, int]:
     text = job.rl.engine_mesh
     sizes = sharding.parse_axes(text)
     learner, wanted = distributed.mesh_devices(job.raw), math.prod(sizes.values())
+    groups = job.rl.engine_groups
+    if groups > 1:
+        if wanted * groups != learner:
+            raise ValueError(f"rl.engine_groups={groups} groups of rl.engine_mesh={text!r} span {wanted * groups} "
+                             f"devices and config.mesh {learner}: the groups split the learner's devices")
+        return sizes
     if wanted != learner:
         raise ValueError(f"rl.engine_mesh={text!r} spans {wanted} devices and config.mesh {learner}: give the "
                          f"engine as many devices as the learner (axis sizes that multiply to {learner})")
@@ -502,8 +534,12 @@ def _engine_devices(job: JobConfig) -> dict[str, int]:
     return sizes
 
 
-def _describe_placement(job: JobConfig, engine: GlmEngine, mesh) -> None:
+def _describe_placement(job: JobConfig, engine: GlmEngine, mesh, groups=None) -> None:
     """Where policy, critic and engine run, when that is more than one device."""
+    if groups is not None:
+        say(f"policy and critic on {distributed.describe(mesh)}; {describe_groups(groups)} in the "
+            f"{job.rl.engine_rules} layout")
+        return
     disjoint = bool(job.rl.engine_mesh)
     if mesh is None and not disjoint:
         return

@@ -17,6 +17,10 @@ reshards each new state into them inside XLA, never through the host:
      repeats the engine's split in every process's block of devices, and each process
      keeps the shards on its own devices as the engine's arrays
      (`jax.make_array_from_single_device_arrays`: no copy). Every process publishes.
+  4. engine groups (rl/engine/groups.py) that split the learner's devices into blocks, one
+     engine per block: the same as 3, with the groups for the processes
+     (`reshard_to_groups`), so that one jitted identity gives every group its weights and
+     each device receives only the shards its group's engine holds there.
 
 `jax.device_put` alone would not do: a shard of the new split that no old shard equals is
 assembled on the host.
@@ -36,12 +40,14 @@ lock; the lock only orders concurrent publishers and wakes `wait_for`.
 
 from __future__ import annotations
 
+import itertools
+import math
 import threading
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 
 class Weights(NamedTuple):
@@ -80,6 +86,86 @@ def _on_devices(target: NamedSharding, devices: list) -> NamedSharding:
                          f"is on {len(devices)}")
     staged = Mesh(np.asarray(devices).reshape(mesh.devices.shape), mesh.axis_names, axis_types=mesh.axis_types)
     return NamedSharding(staged, target.spec, memory_kind=target.memory_kind)
+
+
+def _repeated(blocks: list[Mesh], target: NamedSharding, order: list | None = None) -> NamedSharding:
+    """`target`'s split repeated over every block: a mesh with a "group" axis, replicated
+    along it, so that each block's devices hold what `target` gives the same position of
+    its own mesh. `order`: the devices of the arrays to reshard, in their order, which a
+    jitted program's outputs must keep; the axes are arranged to give it."""
+    devices = np.stack([b.devices for b in blocks])
+    names = ("group",) + tuple(target.mesh.axis_names)
+    if order is not None:
+        ids = [d.id for d in order]
+        for perm in itertools.permutations(range(devices.ndim)):
+            if [d.id for d in np.transpose(devices, perm).flat] == ids:
+                devices, names = np.transpose(devices, perm), tuple(names[i] for i in perm)
+                break
+    return NamedSharding(Mesh(devices, names), target.spec, memory_kind=target.memory_kind)
+
+
+def _refined(view: NamedSharding, source: jax.Array) -> NamedSharding:
+    """`view` (a group-repeated split) with every mesh axis it leaves replicated ("group"
+    first) added to a dimension it divides, the one `source` is split along most first:
+    each device then holds a distinct piece of its own target block. Reaching this from the
+    learner's split is an all-to-all, and `view` from it an all-gather of the rest of the
+    block; XLA's direct reshard would gather whole tensors and slice them."""
+    mesh, shape = view.mesh, source.shape
+    spec = [() if s is None else (s,) if isinstance(s, str) else tuple(s)
+            for s in list(view.spec) + [None] * (len(shape) - len(view.spec))]
+    held = source.sharding.shard_shape(shape)
+    order = sorted(range(len(shape)), key=lambda i: held[i] / max(shape[i], 1))  # most split first
+    used = {a for s in spec for a in s}
+    for axis in [a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1]:
+        for i in order:
+            if shape[i] % (math.prod(mesh.shape[a] for a in spec[i]) * mesh.shape[axis]) == 0:
+                spec[i] = spec[i] + (axis,)
+                break
+    return NamedSharding(mesh, PartitionSpec(*[s or None for s in spec]), memory_kind=view.memory_kind)
+
+
+def _group_views(state: Any, shardings: list[Any]):
+    """(the jitted reshard of step 4, its output shardings, the groups' meshes)."""
+    meshes = [next(s.mesh for s in jax.tree.leaves(group)) for group in shardings]
+    if len({m.devices.shape for m in meshes}) != 1:
+        raise ValueError(f"engine groups must have meshes of one shape, got {[dict(m.shape) for m in meshes]}")
+    held = {d for x in jax.tree.leaves(state) for d in x.devices()}
+    grouped = [d for m in meshes for d in m.devices.flat]
+    if set(grouped) != held or len(grouped) != len(held):
+        raise ValueError(f"the engine groups' devices ({len(grouped)}) must be the learner's ({len(held)}), each "
+                         "in one group")
+    order = next(list(x.sharding.mesh.devices.flat) for x in jax.tree.leaves(state)
+                 if isinstance(x.sharding, NamedSharding))
+    views = jax.tree.map(lambda s: _repeated(meshes, s, order), shardings[0])
+    treedef = jax.tree.structure(views)  # a prefix of the state's: a Variable holds each array
+    pieces = treedef.unflatten([jax.tree.map(lambda x, v=v: _refined(v, x), part)
+                                for v, part in zip(jax.tree.leaves(views), treedef.flatten_up_to(state))])
+    return jax.jit(lambda tree: jax.lax.with_sharding_constraint(tree, pieces), out_shardings=views), views
+
+
+def reshard_to_groups(state: Any, shardings: list[Any]) -> list[Any]:
+    """`state` (on the devices that the groups' meshes partition) copied into every group's
+    shardings (one pytree of NamedSharding per group, on meshes of one shape), inside one
+    XLA program: step 4 of the module docstring. Returns one state per group."""
+    program, views = _group_views(state, shardings)
+    out = program(state)
+    treedef = jax.tree.structure(views)  # a prefix of the state's: a Variable holds each array
+    parts = treedef.flatten_up_to(out)
+    placed = []
+    for group in shardings:
+        def own(x, s):  # the shards on this group's devices, as an array of its mesh
+            mine = {shard.device: shard.data for shard in x.addressable_shards}
+            return jax.make_array_from_single_device_arrays(x.shape, s, [mine[d] for d in s.mesh.devices.flat])
+        placed.append(treedef.unflatten([jax.tree.map(lambda x, s=s: own(x, s), part)
+                                         for s, part in zip(jax.tree.leaves(group), parts)]))
+    return placed
+
+
+def groups_publish_hlo(state: Any, shardings: list[Any]) -> str:
+    """The compiled HLO of `reshard_to_groups(state, shardings)`'s program (for its bytes:
+    rl/hlo_collectives.py)."""
+    program, _ = _group_views(state, shardings)
+    return program.lower(state).compile().as_text()
 
 
 def _repeated_per_process(state_mesh: Mesh, target: NamedSharding) -> NamedSharding:
