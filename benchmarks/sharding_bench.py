@@ -3,6 +3,7 @@ of it spent in the MoE dispatch, and the time to publish weights between layouts
 
     python benchmarks/sharding_bench.py --out results/sharding_bench.json
     python benchmarks/sharding_bench.py --out /tmp/publish.json --parts publish
+    python benchmarks/sharding_bench.py --out results/sharding_bench.json --parts publish --update
 
 The 8 devices share this machine's cores, so absolute times say little; the ratios
 between meshes show the cost of each layout's collectives. The MoE share is measured
@@ -31,6 +32,14 @@ configs/small.py, until the published arrays are ready, median of PUBLISH_REPEAT
 the learner's own layout (fsdp=8, a reference swap), into another layout on the same
 devices (expert=4 x tensor=2) and onto disjoint devices (fsdp=4 on devices 0-3 to
 expert=2 x tensor=2 on 4-7).
+
+publish_groups: the same models from the learner's fsdp=8 into 2 engine groups of expert=2
+x tensor=2 in the serving rules (rl/engine/groups.py, as `rl.engine_groups=2` builds them):
+milliseconds per publish (median of PUBLISH_REPEATS), and the bytes its one program's
+collectives bring each device (rl/hlo_collectives.py, from the compiled HLO) beside the
+largest share of the engine's parameters a device holds; `bytes_over_share` is their
+ratio. For comparison, the same figures for XLA's direct reshard into the same layout on
+the same devices (one engine of expert=4 x tensor=2: `reshard_same_devices`).
 """
 
 from __future__ import annotations
@@ -65,7 +74,9 @@ from rl import sao  # noqa: E402
 from rl.config import RLConfig  # noqa: E402
 from rl.engine.driver import Driver, Request  # noqa: E402
 from rl.engine.engine import GlmEngine  # noqa: E402
-from rl.engine.weights import WeightStore  # noqa: E402
+from rl.engine.groups import EngineGroups  # noqa: E402
+from rl.engine.weights import WeightStore, groups_publish_hlo  # noqa: E402
+from rl.hlo_collectives import received_bytes  # noqa: E402
 from rl.learner import Learner, ValueModel  # noqa: E402
 
 MESHES = {
@@ -177,6 +188,44 @@ def bench_publish(config, repeats):
 
         out[key] = 1e3 * median_time(publish, repeats)
     out["param_bytes"] = sum(x.nbytes for x in jax.tree.leaves(state))
+    return out
+
+
+def _device_share(state) -> int:
+    """The most bytes of `state` one device holds."""
+    held = {}
+    for x in jax.tree.leaves(state):
+        for shard in x.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    return max(held.values())
+
+
+def bench_publish_groups(config, repeats):
+    """publish_groups (module docstring)."""
+    mesh = glmjax.make_mesh(fsdp=8)
+    policy = glmjax.init_model(config, seed=0, mesh=mesh)
+    new = nnx.state(glmjax.init_model(config, seed=1, mesh=mesh))
+    groups = EngineGroups.build(policy, mesh, 2, {"expert": 2, "tensor": 2}, sharding.DECODE_RULES,
+                                max_concurrent_decodes=4, max_len=64)
+
+    def publish():
+        groups.store.publish(new)
+        return [s.latest().state for s in groups.store.stores]
+
+    out = {"groups": [[d.id for d in e.mesh.devices.flat] for e in groups.engines],
+           "publish_ms": 1e3 * median_time(publish, repeats)}
+    moved = received_bytes(groups_publish_hlo(new, [s.shardings for s in groups.store.stores]), mesh.size)
+    share = _device_share(groups.store.stores[0].latest().state)
+    out.update(bytes_per_device=moved["bytes"], bytes_by_collective=moved["by_kind"], device_share_bytes=share,
+               bytes_over_share=moved["bytes"] / share, param_bytes=sum(x.nbytes for x in jax.tree.leaves(new)))
+    engine = glmjax.make_mesh(expert=4, tensor=2)  # XLA's direct reshard, one engine on the same devices
+    target = sharding.param_shardings(new, engine, sharding.DECODE_RULES)
+    direct = jax.jit(lambda t: t, out_shardings=target).lower(new).compile().as_text()
+    placed = jax.jit(lambda t: t, out_shardings=target)(new)
+    share = _device_share(placed)
+    moved = received_bytes(direct, mesh.size)["bytes"]
+    out["reshard_same_devices"] = {"bytes_per_device": moved, "device_share_bytes": share,
+                                   "bytes_over_share": moved / share}
     return out
 
 
@@ -323,6 +372,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--parts", nargs="+", choices=("meshes", "rl", "load", "publish"),
                     default=("meshes", "rl", "load", "publish"))
+    ap.add_argument("--update", action="store_true",
+                    help="keep what --out already holds of the parts not run (their figures stay those of their run)")
     args = ap.parse_args(argv)
     load = lambda name: presets.model_config_from(  # noqa: E731
         presets.load_config(str(REPO / "configs" / f"{name}.py"))).replace(num_nextn_predict_layers=0)
@@ -357,9 +408,20 @@ def main(argv=None):
             r = results["publish"][f"configs/{name}.py"] = bench_publish(load(name), PUBLISH_REPEATS)
             print(f"publish {name:8s} " + "   ".join(f"{k} {v:.2f}" for k, v in r.items() if k.endswith("_ms")),
                   flush=True)
+        results["publish_groups"] = {}
+        for name in PUBLISH_CONFIGS:
+            r = results["publish_groups"][f"configs/{name}.py"] = bench_publish_groups(load(name), PUBLISH_REPEATS)
+            print(f"publish to 2 groups {name:8s} {r['publish_ms']:.2f} ms, {r['bytes_per_device'] / 1e6:.2f} MB per "
+                  f"device for a {r['device_share_bytes'] / 1e6:.2f} MB share ({r['bytes_over_share']:.2f}x; XLA's "
+                  f"direct reshard {r['reshard_same_devices']['bytes_over_share']:.2f}x)", flush=True)
     results["load_average_end"] = os.getloadavg()[0]  # the 8 devices share the host's cores with whatever else runs
     out = pathlib.Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
+    if args.update and out.exists():
+        earlier = json.loads(out.read_text())
+        runs = earlier.get("parts_run_at", {})
+        runs.update({part: time.strftime("%Y-%m-%d") for part in args.parts})
+        results = {**earlier, **results, "parts_run_at": runs}
     import results_io  # benchmarks/results_io.py: keeps the file's findings
 
     results_io.write(out, results)

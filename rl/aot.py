@@ -24,6 +24,11 @@ MaxText's train_compile does. The roles, each built the way rl/trainer.py builds
                   tokens (default: rl.slots rows of the prompt budget's bucket, the
                   largest program `GlmEngine.warmup` compiles for the job).
   engine_decode   GlmEngine's decode step over all rl.slots slots.
+  publish         the learner's policy resharded into the engine's layout, one program
+                  (rl/engine/weights.py: reshard_program), beside the learner's persistent
+                  state; `collective_bytes_per_device` (rl/hlo_collectives.py: what its
+                  collectives bring each device) against `engine_share_bytes` (the
+                  largest share of the engine's parameters a device holds).
 The engine runs on the learner's mesh in one process, or on `rl.engine_mesh`'s devices
 after the learner's; when the job spans hosts, over the whole slice (one host's chips
 cannot hold a model of GLM-5's size); in the rules `rl.engine_rules` names.
@@ -61,7 +66,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from glmjax import cli, distributed, sharding
 from glmjax.config import ModelConfig
 from glmjax.model import GlmForCausalLM
-from rl import hlo_flops, job_plan
+from rl import hlo_collectives, hlo_flops, job_plan
 
 GiB = 2 ** 30
 REMAT_WARNING = "Involuntary full rematerialization"
@@ -178,6 +183,7 @@ class Program:
     lower: callable  # () -> jax.stages.Lowered
     persistent_args: int  # per-device bytes of the persistent state among its arguments
     runs: int = 1  # times the role runs it (its FLOPs count that many times)
+    collectives: bool = False  # report the bytes its collectives bring each device (a loop-free program)
 
 
 def learner_programs(job, layout: Layout):
@@ -418,7 +424,10 @@ def compile_program(program: Program) -> dict:
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    matmuls = hlo_flops.matmul_flops(compiled.as_text())
+    text = compiled.as_text()
+    matmuls = hlo_flops.matmul_flops(text)
+    moved = hlo_collectives.received_bytes(text, len(jax.tree.leaves(compiled.input_shardings)[0].device_set))["bytes"] \
+        if program.collectives else None
     # a full-size program's compile holds gigabytes of host memory: let it go before the next
     del compiled
     jax.clear_caches()
@@ -432,7 +441,8 @@ def compile_program(program: Program) -> dict:
             "xla_cost_analysis_flops_per_device": float(cost.get("flops", 0.0)),
             "unknown_trip_counts": len(matmuls.unknown_trip_counts),
             "bytes_accessed_per_device": float(cost.get("bytes accessed", 0.0)), "compile_seconds": seconds,
-            "spmd_warnings": log[0].count(REMAT_WARNING)}
+            "spmd_warnings": log[0].count(REMAT_WARNING),
+            **({} if moved is None else {"collective_bytes_per_device": moved})}
 
 
 _UNITS = {"K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
@@ -496,9 +506,33 @@ def _decode_role(job, layout, args):
                                                                     "tokens_per_slot": 1 + job.rl.num_draft}, {}
 
 
+def publish_program(job, layout: Layout) -> tuple[Program, int, int]:
+    """The publish (rl/trainer.py: Loop.publish): the policy in the learner's layout copied
+    into the engine's split on the learner's devices (then, for an engine on devices of its
+    own, moved shard for shard, which no program shows). Returns the program, the
+    learner's persistent bytes per device and the engine's share per device."""
+    from rl.engine.weights import _on_devices, reshard_program
+
+    with sharding.use_mesh(layout.mesh, layout.rules):
+        (policy, *others), persistent = _place(job_plan.learner_objects(job), layout.mesh, layout.rules)
+    state = nnx.state(policy)
+    devices = list(layout.mesh.devices.flat)
+    target = sharding.param_shardings(state, layout.engine_mesh, layout.engine_rules)
+    staged = jax.tree.map(lambda t: _on_devices(t, devices), target)
+    program = reshard_program(state, staged)
+    share = per_device_bytes(_abstract(state, target))
+    return Program("publish", lambda: program.lower(state), per_device_bytes(state), collectives=True), persistent, share
+
+
+def _publish_role(job, layout, args):
+    program, persistent, share = publish_program(job, layout)
+    return [program], persistent, layout.mesh, {"engine_share_bytes": share}, {}
+
+
 # role -> (job, layout, args) -> (programs, persistent bytes per device, mesh, the batch shape, the
 # planner's keyword arguments for it)
-ROLES = {"learner_step": _learner_role, "engine_prefill": _prefill_role, "engine_decode": _decode_role}
+ROLES = {"learner_step": _learner_role, "engine_prefill": _prefill_role, "engine_decode": _decode_role,
+         "publish": _publish_role}
 
 
 def run_role(name: str, job, layout: Layout, chip: Chip, args) -> dict:
@@ -510,8 +544,16 @@ def run_role(name: str, job, layout: Layout, chip: Chip, args) -> dict:
     with sharding.use_mesh(mesh, rules), jax.default_matmul_precision("default"):
         result = combine([compile_program(p) for p in programs], persistent)
     devices = mesh.size
-    planned = job_plan.role_bytes(job, dict(mesh.shape), name, shape, rules=rules, **plan_args)
-    analytic = analytic_flops(job, name, devices, prefill=(shape.get("rows", 1), shape.get("length", 1)))
+    if name == "publish":  # the persistent state, the engine's new copy and the pieces it is gathered from
+        share = shape["engine_share_bytes"]
+        planned = {"persistent": persistent, "engine_copy": share, "pieces": share,
+                   "total": persistent + 2 * share}
+        result.update(engine_share_bytes=share,
+                      collective_bytes_over_share=result["steps"][0]["collective_bytes_per_device"] / share)
+    else:
+        planned = job_plan.role_bytes(job, dict(mesh.shape), name, shape, rules=rules, **plan_args)
+    analytic = 0.0 if name == "publish" else analytic_flops(job, name, devices, prefill=(shape.get("rows", 1),
+                                                                                          shape.get("length", 1)))
     result.update(
         planned_bytes_per_device=int(planned["total"]), planned=planned,
         analytic_flops_per_device=analytic,

@@ -92,6 +92,9 @@ def token_logprobs(model: GlmForCausalLM, tokens: jax.Array, temperature: float 
 
 
 def _buffers(x) -> set:
+    """The device buffers of array `x`; an abstract or traced value (nnx.eval_shape) is its own."""
+    if isinstance(x, jax.core.Tracer) or not isinstance(x, jax.Array):
+        return {("object", id(x))}
     return {(s.device.id, s.data.unsafe_buffer_pointer()) for s in x.addressable_shards}
 
 

@@ -7,8 +7,10 @@ and converting nothing. When the engine runs in a layout of its own (another mes
 other rules on the same devices), the store is given the engine's shardings and `publish`
 reshards each new state into them inside XLA, never through the host:
 
-  1. a jitted identity with `out_shardings` moves the arrays into the engine's split on
-     the learner's own devices (XLA's collectives; nothing moves when the splits agree);
+  1. a jitted copy (`reshard_program`) moves the arrays into the engine's split on the
+     learner's own devices: through a split that gives each device a distinct piece of its
+     target block (an all-to-all), then an all-gather of the rest of the block, because
+     XLA's direct reshard between unrelated splits gathers whole tensors and slices them;
   2. when the engine's devices are others (a disjoint subset, as many as the learner's),
      `jax.device_put` copies each shard to the engine device of the same position, shard
      for shard, device to device;
@@ -124,12 +126,22 @@ def _refined(view: NamedSharding, source: jax.Array) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(*[s or None for s in spec]), memory_kind=view.memory_kind)
 
 
+def reshard_program(state: Any, views: Any):
+    """The jitted copy of `state` (arrays, or ShapeDtypeStructs with shardings) into `views`
+    (a pytree of NamedSharding on the same devices, a prefix of the state's), through each
+    leaf's `_refined` split: an all-to-all, then an all-gather of the rest of each block."""
+    treedef = jax.tree.structure(views)  # a prefix of the state's: a Variable holds each array
+    pieces = treedef.unflatten([jax.tree.map(lambda x, v=v: _refined(v, x), part)
+                                for v, part in zip(jax.tree.leaves(views), treedef.flatten_up_to(state))])
+    return jax.jit(lambda tree: jax.lax.with_sharding_constraint(tree, pieces), out_shardings=views)
+
+
 def _group_views(state: Any, shardings: list[Any]):
-    """(the jitted reshard of step 4, its output shardings, the groups' meshes)."""
+    """(the jitted reshard of step 4, its output shardings)."""
     meshes = [next(s.mesh for s in jax.tree.leaves(group)) for group in shardings]
     if len({m.devices.shape for m in meshes}) != 1:
         raise ValueError(f"engine groups must have meshes of one shape, got {[dict(m.shape) for m in meshes]}")
-    held = {d for x in jax.tree.leaves(state) for d in x.devices()}
+    held = {d for x in jax.tree.leaves(state) for d in x.sharding.device_set}
     grouped = [d for m in meshes for d in m.devices.flat]
     if set(grouped) != held or len(grouped) != len(held):
         raise ValueError(f"the engine groups' devices ({len(grouped)}) must be the learner's ({len(held)}), each "
@@ -137,10 +149,7 @@ def _group_views(state: Any, shardings: list[Any]):
     order = next(list(x.sharding.mesh.devices.flat) for x in jax.tree.leaves(state)
                  if isinstance(x.sharding, NamedSharding))
     views = jax.tree.map(lambda s: _repeated(meshes, s, order), shardings[0])
-    treedef = jax.tree.structure(views)  # a prefix of the state's: a Variable holds each array
-    pieces = treedef.unflatten([jax.tree.map(lambda x, v=v: _refined(v, x), part)
-                                for v, part in zip(jax.tree.leaves(views), treedef.flatten_up_to(state))])
-    return jax.jit(lambda tree: jax.lax.with_sharding_constraint(tree, pieces), out_shardings=views), views
+    return reshard_program(state, views), views
 
 
 def reshard_to_groups(state: Any, shardings: list[Any]) -> list[Any]:
@@ -203,7 +212,7 @@ def reshard(state: Any, shardings: Any) -> Any:
         return _to_process_local(state, shardings)
     devices = sorted({d for x in jax.tree.leaves(state) for d in x.devices()}, key=lambda d: d.id)
     staged = jax.tree.map(lambda s: _on_devices(s, devices), shardings)
-    out = jax.jit(_identity, out_shardings=staged)(state)
+    out = reshard_program(state, staged)(state)
     return out if staged == shardings else jax.device_put(out, shardings)
 
 
