@@ -24,6 +24,8 @@ setup(
         "orbax-checkpoint==0.12.8",
         "grain==0.2.18",
         "tensorstore==0.1.86",
+        # every path of the jobs (workdir, checkpoints, exports, logs, task directories): local or gs://
+        "etils[epath]",
         "ml-collections==1.1.0",
         "tensorboardX==2.6.5",
         "safetensors>=0.4",
@@ -58,6 +60,8 @@ setup(
                  f"jax[tpu]=={JAX_VERSION}"],
         "serve": ["grpcio", "protobuf", "prometheus-client"],
         "gpu": [f"jax[cuda12]=={JAX_VERSION}"],
+        # gs:// workdirs and task directories (glmjax/storage.py through etils.epath's fsspec backend)
+        "gcs": ["gcsfs"],
         "tpu": [f"jax[tpu]=={JAX_VERSION}"],
     },
     entry_points={"console_scripts": ["glmjax-train=rl.cli:main", "glmjax-serve=rl.engine.cli:main", "glmjax-envs=envs.cli:main",

@@ -29,11 +29,10 @@ from tqdm.auto import tqdm
 
 import glmjax
 from envs import families
-from glmjax import distributed
+from glmjax import distributed, storage
 from glmjax import train as lm_train
 from rl import rollout as ro
 from rl import tasks as rl_tasks
-from rl.checkpoint import set_aside
 from rl.compaction import Compaction, oracle_segments
 from rl.config import BaseConfig
 
@@ -100,17 +99,18 @@ def build_base(cfg, workdir: str, demo_tasks=(), mesh=None) -> glmjax.GlmForCaus
     if b.checkpoint and not b.finetune:
         log.info("the base model is %s", b.checkpoint)
         return load_checkpoint(b.checkpoint, cfg.model, mesh)
-    path = os.path.join(workdir, "base")
-    if distributed.broadcast_object(os.path.exists(os.path.join(path, "config.json"))):  # process 0's view
+    path = os.path.join(workdir, "base")  # a local directory, or gs://... (glmjax/storage.py)
+    if distributed.broadcast_object(storage.exists(os.path.join(path, "config.json"))):  # process 0's view
         log.info("loading the cached base model from %s", path)
         try:
-            model, reason = glmjax.from_pretrained(path, mesh=mesh), None
+            with storage.reading(path) as local:
+                model, reason = glmjax.from_pretrained(local, mesh=mesh), None
         except (OSError, ValueError, SafetensorError) as err:
             model, reason = None, f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
         failures = distributed.failures(reason)  # every host loads the cache, or every host trains again
         if not failures:
             return model
-        aside = set_aside(path) if distributed.is_main() else path + ".corrupt"
+        aside = storage.set_aside(path) if distributed.is_main() else path + ".corrupt"
         why = "; ".join(r if jax.process_count() == 1 else f"process {i}: {r}" for i, r in failures)
         log.warning("the cached base model in %s does not read (%s); it is moved to %s and trained again", path,
                     why, aside)
@@ -134,7 +134,8 @@ def build_base(cfg, workdir: str, demo_tasks=(), mesh=None) -> glmjax.GlmForCaus
         ids, mask = demonstrations(tasks, cfg.base.seq_len, rl_tasks.compaction(cfg),
                                    chat=rl_tasks.job_chat(cfg) if b.checkpoint else None)
     supervised(model, ids, mask, cfg.base, desc="base model (SFT)", mesh=mesh)
-    glmjax.save_pretrained(model, path)
+    with storage.writing(path) as local:
+        glmjax.save_pretrained(model, local)
     return model
 
 

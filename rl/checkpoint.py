@@ -38,23 +38,12 @@ import orbax.checkpoint as ocp
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from glmjax import distributed
+from glmjax import distributed, storage
 
 log = logging.getLogger(__name__)
 
 # What restore loads into the live objects; a checkpoint without one of them does not read.
 _REQUIRED_META = ("step", "version", "learner_steps", "skipped", "stream", "admission")
-
-
-def set_aside(path: str) -> str:
-    """Renames `path` (a file or directory that does not read) to `<path>.corrupt`
-    (`.corrupt-2`, ... if taken), keeping it for inspection; returns the new name."""
-    dst, n = f"{path}.corrupt", 1
-    while os.path.exists(dst):
-        n += 1
-        dst = f"{path}.corrupt-{n}"
-    os.rename(path, dst)
-    return dst
 
 
 class UnreadableCheckpoints(RuntimeError):
@@ -98,7 +87,7 @@ def _own(meta: dict, key: str, step: int):
 
 class LoopCheckpointer:
     def __init__(self, directory: str, keep: int = 2):
-        self.directory = os.path.abspath(directory)
+        self.directory = str(storage.path(directory))  # a local directory, or gs://... (orbax writes there itself)
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
         # reads are this process's alone: orbax's restore ends in a barrier of every
@@ -144,7 +133,7 @@ class LoopCheckpointer:
             return None
         for bad, why in failed:
             where = os.path.join(self.directory, str(bad))
-            moved = set_aside(where) if distributed.is_main() else where + ".corrupt"
+            moved = storage.set_aside(where) if distributed.is_main() else where + ".corrupt"
             log.warning("checkpoint step %d does not read (%s): resuming from step %d instead; step %d is moved "
                         "to %s", bad, why, step, bad, moved)
         if failed:

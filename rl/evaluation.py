@@ -18,7 +18,7 @@ import numpy as np
 
 from envs import evaluate as evaluate_matrix
 from envs.base import is_full
-from glmjax import distributed
+from glmjax import distributed, storage
 from glmjax.chat import ByteChat
 from rl import rollout as ro
 from rl import tasks as rl_tasks
@@ -97,6 +97,5 @@ def matrix(job, engine: GlmEngine, heldout, workdir: str) -> dict:
             limits=rl_tasks.sandbox_limits(job), action_format=rl_tasks.action_format(job))
     finally:
         driver.stop()
-    with open(os.path.join(workdir, "eval_matrix.json"), "w") as f:
-        json.dump(report, f, indent=2)
+    storage.write_text(os.path.join(workdir, "eval_matrix.json"), json.dumps(report, indent=2))
     return report

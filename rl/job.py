@@ -17,14 +17,14 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from glmjax import distributed, sharding
+from glmjax import distributed, sharding, storage
 
 
 def on_mesh(raw_cfg, workdir: str, body: Callable[[Any, Any], dict]) -> dict:
     """Creates `workdir`, starts the distributed runtime and builds the mesh that the config's
     `mesh`, `rules` and `distributed` sections ask for (glmjax/distributed.py), and runs
     `body(mesh, rules)` inside it (mesh None: one device, no sharding)."""
-    os.makedirs(workdir, exist_ok=True)
+    storage.makedirs(workdir)  # a local directory, or gs://... (glmjax/storage.py)
     mesh, rules = distributed.job_mesh(raw_cfg)
     if mesh is None:
         return body(None, rules)

@@ -1,14 +1,18 @@
 """Where the RL job's step metrics go: tensorboardX (workdir/tb), workdir/metrics.jsonl
 and a progress bar; in a job of several processes only process 0 keeps them (the others
-get a QuietLog)."""
+get a QuietLog). A remote workdir (gs://...) gets both files through glmjax/storage.py:
+the metrics uploaded at every step, the event files every SYNC_EVERY steps and at the end."""
 
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 from tqdm.auto import tqdm
+
+from glmjax import storage
+
+SYNC_EVERY = 10  # steps between uploads of a remote workdir's TensorBoard event files
 
 
 class JobLog:
@@ -17,8 +21,9 @@ class JobLog:
     def __init__(self, workdir: str, steps: int, initial: int):
         from tensorboardX import SummaryWriter
 
-        self.writer = SummaryWriter(os.path.join(workdir, "tb"))
-        self.history = open(os.path.join(workdir, "metrics.jsonl"), "a")
+        self.tb = storage.MirroredDir(storage.path(workdir) / "tb")
+        self.writer = SummaryWriter(self.tb.local)
+        self.history = storage.AppendLog(storage.path(workdir) / "metrics.jsonl")
         self.bar = tqdm(total=steps, initial=initial, desc="SAO", mininterval=1.0)
 
     def step(self, step: int, row: dict, metrics: dict, staleness) -> None:
@@ -27,6 +32,9 @@ class JobLog:
         self.history.write(json.dumps({"step": step, **row, **metrics}) + "\n")
         self.history.flush()
         self.writer.add_histogram("train/staleness", np.asarray(staleness), step)
+        if step % SYNC_EVERY == 0:
+            self.writer.flush()
+            self.tb.sync()
         self.bar.update(1)
         self.bar.set_postfix(reward=f"{metrics['reward']:.2f}", vloss=f"{metrics.get('value_loss', 0):.3f}")
 
@@ -37,6 +45,7 @@ class JobLog:
     def close(self) -> None:
         self.bar.close()
         self.writer.close()
+        self.tb.close()
         self.history.close()
 
 

@@ -46,7 +46,7 @@ from envs.harbor import validate
 from envs.harbor.task import HarborTask
 from envs.sandbox.sandbox import Limits
 from envs.shell import ShellEnv
-from glmjax import distributed
+from glmjax import distributed, storage
 from glmjax.chat import ByteChat, HFChat
 from rl import rollout as ro
 from rl.compaction import Answer, Compaction
@@ -132,7 +132,7 @@ def task_sets(cfg, workdir: str | None = None) -> tuple[list, list, dict]:
     if t.data:
         from envs import datasets
 
-        train, heldout = datasets.split(datasets.load_tasks(t.data), t.heldout_fraction, seed=t.seed)
+        train, heldout = datasets.split(datasets.load_tasks(storage.fetched(t.data)), t.heldout_fraction, seed=t.seed)
         if not train or not heldout:
             raise ValueError(f"task.data={t.data!r} splits into {len(train)} training and {len(heldout)} held-out "
                              "tasks: each needs one (mark rows \"split\": \"heldout\" or raise task.heldout_fraction)")
@@ -146,7 +146,7 @@ def task_sets(cfg, workdir: str | None = None) -> tuple[list, list, dict]:
     if t.harbor_dir:
         from envs.harbor import dirs as harbor_dirs
 
-        tasks = harbor_dirs.load_tasks([t.harbor_dir])
+        tasks = harbor_dirs.load_tasks([storage.fetched(t.harbor_dir)])
         if not tasks:
             raise ValueError(f"task.harbor_dir={t.harbor_dir!r} holds no Harbor task directories")
         heldout = [x for x in tasks if families.split_of(x) == "heldout"]
@@ -211,8 +211,8 @@ def _validated(tasks: list[HarborTask], workdir: str | None, workers: int) -> di
     """task id -> validation status, checking only the tasks not in the cache."""
     path = os.path.join(workdir, "validation.jsonl") if workdir else None
     status = {}
-    if path and os.path.exists(path):
-        for line in open(path):
+    if path and storage.exists(path):
+        for line in storage.read_text(path).splitlines():
             try:
                 row = json.loads(line)
                 status[row["task"]] = row["status"]
@@ -220,7 +220,7 @@ def _validated(tasks: list[HarborTask], workdir: str | None, workers: int) -> di
                 continue
     todo = list({x.id: x for x in tasks if x.id not in status}.values())
     if todo:
-        out = open(path, "a") if path else None
+        out = storage.AppendLog(path) if path else None
         bar = tqdm(validate.iter_validate(todo, workers=workers, limits=Limits(wall_seconds=30.0)), total=len(todo),
                    desc="three checks", mininterval=1.0)
         for report in bar:

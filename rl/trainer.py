@@ -50,7 +50,7 @@ from envs import evaluate as evaluate_matrix
 from envs.base import is_full
 from envs.reward import RewardConfig
 from envs.reward import reward as shape
-from glmjax import distributed, sharding
+from glmjax import distributed, sharding, storage
 from rl import rollout as ro
 from rl import sao
 from rl import tasks as rl_tasks
@@ -420,8 +420,7 @@ class Loop:
                            env_time_fraction=self.shared["env_seconds"] / max(self.shared["rollout_seconds"], 1e-9))
         summary["export"] = self.export("final")
         if distributed.is_main():
-            with open(os.path.join(self.workdir, "summary.json"), "w") as f:
-                json.dump(summary, f, indent=2)
+            storage.write_text(os.path.join(self.workdir, "summary.json"), json.dumps(summary, indent=2))
             if job.agentic and job.eval.matrix_tasks:
                 report = matrix(job, self.engine, self.heldout, self.workdir)  # process 0's engine alone
                 print(evaluate_matrix.table(report), flush=True)
