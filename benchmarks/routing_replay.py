@@ -5,7 +5,7 @@ engine did, and what that does to the log-probs the algorithm compares.
 
 The agentic main job (configs/sao_agent_tiny.py, synchronous: rl.eta=0, so that every
 token was sampled by the weights the learner scores it with) runs in bfloat16 twice from
-one supervised base: with `rl.routing_replay=measure` (the engine records its experts,
+one supervised base (the config's: 1000 oracle episodes, 150 steps): with `rl.routing_replay=measure` (the engine records its experts,
 the learner routes by its own routers) and `=on` (the learner runs the engine's
 experts). The engine decodes one token at a time over a cache, the learner runs whole
 sequences: in bf16 their MoE inputs differ in the last bits, which flips near-tied
@@ -39,8 +39,7 @@ METRICS = ("routing_mismatch_tokens", "routing_mismatch_layers", "routing_replay
            "reward", "clip_fraction")
 SIZE = ["--config.model.dtype=bfloat16", "--config.rl.eta=0", "--config.rl.steps=12", "--config.rl.batch_size=16",
         "--config.rl.slots=16", "--config.rl.critic_warmup=2", "--config.rl.validate_every=0",
-        "--config.base.demonstrations=400", "--config.base.steps=100", "--config.task.eval_tasks=16",
-        "--config.eval.matrix_tasks=0", "--config.rl.warmup_compile=False"]
+        "--config.task.eval_tasks=16", "--config.eval.matrix_tasks=0", "--config.rl.warmup_compile=False"]
 
 
 def _cpu_seconds() -> float:

@@ -126,10 +126,22 @@ def _refined(view: NamedSharding, source: jax.Array) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec(*[s or None for s in spec]), memory_kind=view.memory_kind)
 
 
+_PROGRAMS: dict = {}  # reshard_program's, by the state's structure and layout and the target's
+
+
 def reshard_program(state: Any, views: Any):
     """The jitted copy of `state` (arrays, or ShapeDtypeStructs with shardings) into `views`
     (a pytree of NamedSharding on the same devices, a prefix of the state's), through each
-    leaf's `_refined` split: an all-to-all, then an all-gather of the rest of each block."""
+    leaf's `_refined` split: an all-to-all, then an all-gather of the rest of each block.
+    Built once per layout: every publish runs the same compiled program."""
+    key = (jax.tree.structure(state), tuple((x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(state)),
+           jax.tree.structure(views), tuple(jax.tree.leaves(views)))
+    if key not in _PROGRAMS:
+        _PROGRAMS[key] = _build_program(state, views)
+    return _PROGRAMS[key]
+
+
+def _build_program(state: Any, views: Any):
     treedef = jax.tree.structure(views)  # a prefix of the state's: a Variable holds each array
     pieces = treedef.unflatten([jax.tree.map(lambda x, v=v: _refined(v, x), part)
                                 for v, part in zip(jax.tree.leaves(views), treedef.flatten_up_to(state))])
@@ -137,7 +149,15 @@ def reshard_program(state: Any, views: Any):
 
 
 def _group_views(state: Any, shardings: list[Any]):
-    """(the jitted reshard of step 4, its output shardings)."""
+    """(the jitted reshard of step 4, its output shardings), built once per layout."""
+    key = (jax.tree.structure(state), tuple((x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(state)),
+           tuple(tuple(jax.tree.leaves(group)) for group in shardings))
+    if key not in _PROGRAMS:
+        _PROGRAMS[key] = _build_group_views(state, shardings)
+    return _PROGRAMS[key]
+
+
+def _build_group_views(state: Any, shardings: list[Any]):
     meshes = [next(s.mesh for s in jax.tree.leaves(group)) for group in shardings]
     if len({m.devices.shape for m in meshes}) != 1:
         raise ValueError(f"engine groups must have meshes of one shape, got {[dict(m.shape) for m in meshes]}")
