@@ -10,6 +10,8 @@ nothing of the learning loop (`rl/`), which imports this package.
     speculative.py      MTP drafts and their acceptance (speculative decoding)
     quant.py            int8 / int4 weight-only quantisation for serving
     router.py           Router: requests over replicas (drivers or gRPC servers), sticky by session
+    groups.py           EngineGroups: engines over blocks of the learner's devices behind a router,
+                        a watchdog that rebuilds a group that stops or stalls
     serve.py            the JetStream Orchestrator gRPC service and server over a driver or a
                         router, and its client; the metrics registry both servers count in
     openai_api.py       OpenAIServer: the OpenAI-compatible HTTP API (FastAPI + uvicorn) over a

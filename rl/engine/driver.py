@@ -447,6 +447,17 @@ class Driver:
             self._thread.join()
             self._thread = None
 
+    def abandon(self) -> list[Handle]:
+        """Gives up on this driver without waiting for its thread (a step that hangs): the
+        thread, if it ever returns, ends at its next wait; returns the handles of the
+        requests it held, in slots and queued, unfinished, for the caller to end."""
+        with self._wake:
+            self._stopping = True
+            self._wake.notify_all()
+            held = [s.handle for s in self._slots if s is not None] + list(self._queue)
+            self._queue.clear()
+        return held
+
     def _loop(self) -> None:
         while True:
             with self._wake:

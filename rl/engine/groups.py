@@ -20,8 +20,9 @@ Scheduling is the router's (rl/engine/router.py): the queue is one, and a group 
 next request the moment it has a free slot (least loaded first).
 
 Health: every `check_seconds` the watchdog looks at each group's driver. One whose thread
-is no longer running ("stopped"), or that held requests for `stall_seconds` without
-completing a step while not paused ("stalled"), has failed: its requests in flight end
+is no longer running ("stopped"), or that, having completed a step since it was built,
+held requests for `stall_seconds` without completing another while not paused ("stalled";
+before its first step it may be compiling), has failed: its requests in flight end
 with finish_reason "error" and an error that starts with "UNAVAILABLE: engine group"
 (the collector drops their rollouts as "engine_group_failed"), and a new driver over the
 same engine (an empty decode state) takes its place; the router, which marked the group
@@ -219,7 +220,8 @@ class EngineGroups:
             return "stopped"
         steps, since = self._progress[g]
         now = time.time()
-        if d.stats["steps"] != steps or self._paused or not d.load:
+        # before its first step a group may be compiling (minutes at full size): not a stall
+        if d.stats["steps"] != steps or self._paused or not d.load or not d.stats["steps"]:
             self._progress[g] = (d.stats["steps"], now)
             return None
         return "stalled" if now - since > self.stall_seconds else None
@@ -232,14 +234,9 @@ class EngineGroups:
         if self._paused:
             new.pause()
         new.start()
-        with self.router._lock:
-            self.router.replicas[g] = new
-            self.drivers[g] = new
-        with old._wake:  # its thread, if any is left, ends at its next wait
-            old._stopping = True
-            old._wake.notify_all()
-            pending = [s.handle for s in old._slots if s is not None] + list(old._queue)
-            old._queue.clear()
+        self.router.replace(g, new)
+        self.drivers[g] = new
+        pending = old.abandon()
         self._retired.update(old.stats)
         self.failures[cause] += 1
         self.dropped_in_flight += len(pending)

@@ -123,6 +123,12 @@ class Router:
         for replica in self.replicas:
             replica.stop()
 
+    def replace(self, i: int, replica) -> None:
+        """`replica` in place of replica i (a rebuilt engine group, rl/engine/groups.py): the
+        requests given to the old one still count in `in_flight` until they finish."""
+        with self._lock:
+            self.replicas[i] = replica
+
     def _choose(self, request: Request) -> int | None:
         room = [i for i, r in enumerate(self.replicas) if self.in_flight[i] < r.capacity and i not in self.down]
         home = self._sessions.get(request.session_id) if request.session_id is not None else None

@@ -93,3 +93,42 @@ def test_a_killed_group_drops_only_its_rollouts_and_the_run_completes(tmp_path):
     assert 1 <= groups["dropped_in_flight"] == summary["dropped"]["engine_group_failed"] <= killed + 8
     assert sum(summary["dropped"].values()) == groups["dropped_in_flight"]  # nothing else was lost
     assert all(n > 0 for n in groups["requests"]) and all(u > 0 for u in groups["slot_utilisation"])
+
+
+def test_a_stalled_group_is_rebuilt_and_the_others_serve_on():
+    """Group 1's third decode step hangs (a device that stopped answering): after
+    stall_seconds its requests end as UNAVAILABLE, a new driver takes its place, and every later request
+    is served, by either group."""
+    import threading
+
+    from rl.engine.driver import Request
+    from rl.engine.groups import DOWN
+
+    mesh = glmjax.make_mesh(fsdp=8)
+    policy = glmjax.init_model(TINY, seed=0, mesh=mesh)
+    groups = EngineGroups.build(policy, mesh, 2, {"expert": 2, "tensor": 2}, sharding.DECODE_RULES,
+                                stall_seconds=0.5, max_concurrent_decodes=4, max_len=64)
+    groups.check_seconds = 0.05
+    hung, release, steps = groups.drivers[1], threading.Event(), []
+    step = hung.step
+
+    def hanging():  # after two steps (a group's first may be compiling), a step that never returns
+        steps.append(1)
+        if len(steps) > 2:
+            release.wait()
+        return step()
+
+    hung.step = hanging
+    groups.start()
+    try:
+        first = [groups.submit(Request([1, 2, 3, 4 + i], 8, seed=i)) for i in range(4)]
+        results = [h.result(timeout=120) for h in first]
+        failed = [r for r in results if r.finish_reason == "error"]
+        assert failed and all(r.error.startswith(f"{DOWN} 1 stalled") for r in failed), [r.error for r in failed]
+        assert all(len(r.tokens) == 8 for r in results if r.finish_reason != "error")
+        assert groups.failures == {"stalled": 1} and groups.dropped_in_flight == len(failed)
+        later = [groups.submit(Request([5, 6, 7, i], 8, seed=10 + i)) for i in range(8)]
+        assert all(len(h.result(timeout=120).tokens) == 8 for h in later)
+    finally:
+        release.set()
+        groups.stop()
