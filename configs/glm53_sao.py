@@ -15,8 +15,10 @@ a value model of its own, 64 concurrent decodes per engine. `get_config(arg)`:
           1.25x its tokens' expert copies (model.moe_capacity_factor), exchanged 2048 tokens
           at a time (model.moe_chunk_tokens). The engine decodes in the "decode" rules
           (rl.engine_rules: experts split over all 256 chips, every other weight whole on
-          each) over the whole slice: no host's 4 chips hold GLM-5.3. Its weights are a
-          copy in those rules, so the learner updates the policy's in place;
+          each) over the whole slice: no host's 4 chips hold GLM-5.3 (the layout
+          glmjax-aot compiles; glmjax-train does not yet run one engine across hosts:
+          README, "Launching"). Its weights are a copy in those rules, so the learner
+          updates the policy's in place;
   "h200"  128 H200s over 16 hosts: mesh fsdp=32 x expert=4, a process per host (8 GPUs
           each). 64 cannot hold the job: the policy, the critic and their Adam states
           alone are 140.7 GB of each GPU's 141. A GPU target cannot be compiled on a CPU:
