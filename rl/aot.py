@@ -544,10 +544,9 @@ def run_role(name: str, job, layout: Layout, chip: Chip, args) -> dict:
     with sharding.use_mesh(mesh, rules), jax.default_matmul_precision("default"):
         result = combine([compile_program(p) for p in programs], persistent)
     devices = mesh.size
-    if name == "publish":  # the persistent state, the engine's new copy and the pieces it is gathered from
+    if name == "publish":  # the persistent state and the engine's new copy (the pieces are one block's share)
         share = shape["engine_share_bytes"]
-        planned = {"persistent": persistent, "engine_copy": share, "pieces": share,
-                   "total": persistent + 2 * share}
+        planned = {"persistent": persistent, "engine_copy": share, "total": persistent + share}
         result.update(engine_share_bytes=share,
                       collective_bytes_over_share=result["steps"][0]["collective_bytes_per_device"] / share)
     else:

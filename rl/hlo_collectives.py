@@ -7,7 +7,10 @@ publish: rl/engine/weights.py), read from its optimized HLO (`compiled.as_text()
   reduce-scatter      operand x (n - 1) / n
   all-reduce          operand x 2 (n - 1) / n   (a ring: reduce-scatter, then all-gather)
 
-n is the size of the instruction's replica groups. Asynchronous pairs count once (their
+n is the size of the instruction's replica groups (listed, iota or mesh form). XLA:TPU
+lowers a gather into a replicated layout as an all-reduce of a zero-padded buffer (even
+`lax.all_gather` in shard_map), which this counts as the all-reduce it is: twice an
+all-gather's bytes. Asynchronous pairs count once (their
 "-start"). Every computation the program holds is counted once: a program with loops
 needs rl/hlo_flops.py's trip counts, which this does not apply.
 """
@@ -33,11 +36,16 @@ def shape_bytes(shape: str) -> int:
 
 
 def _group_size(attrs: str, devices: int) -> int:
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+    if mesh is not None:  # mesh form: mesh['axis_0'=2,'axis_1'=4] {'axis_1'}: the named axes' sizes
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", mesh.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", mesh.group(2)))
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", attrs)
+    if iota is not None:  # iota form: [groups, size]<=[devices]
+        return int(iota.group(2))
     groups = _attr(attrs, "replica_groups")
     if groups is None:
         return devices
-    if groups.startswith("["):  # iota form: [groups, size]<=[devices]
-        return _ints(groups.split("]")[0])[-1]
     first = re.search(r"\{([\d,]*)\}", groups[1:])
     return len(_ints(first.group(1))) if first else devices
 

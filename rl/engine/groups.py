@@ -13,8 +13,8 @@ to N / G), and group g is the slice [:, g, ...]: the groups interleave along the
 engine axis. Publishing (rl/engine/weights.py: reshard_to_groups) then moves each
 parameter from the learner's split to every group's with an all-to-all inside each
 stretch of devices that shares an expert block and an all-gather across the groups, and
-no permutation between them; each device receives about its own share of the engine's
-parameters (`benchmarks/sharding_bench.py`, `publish_groups`).
+no permutation between them; each device receives less than its share of the engine's
+parameters (0.79x on configs/small.py: `benchmarks/sharding_bench.py`, `publish_groups`).
 
 Scheduling is the router's (rl/engine/router.py): the queue is one, and a group takes the
 next request the moment it has a free slot (least loaded first).
