@@ -107,7 +107,6 @@ class EngineGroups:
         self._paused = False
         self._watchdog: threading.Thread | None = None
         self._stopping = threading.Event()
-        self._lock = threading.Lock()
 
     @classmethod
     def build(cls, policy, mesh, count: int, sizes: dict[str, int], rules, *, stall_seconds: float = 120.0,
