@@ -4,6 +4,7 @@ Imports `glmjax` (and `tool_formats`, the tool-call formats it shares with envs/
 nothing of the learning loop (`rl/`), which imports this package.
 
     engine.py           GlmEngine: prefill / insert / generate over a paged batch of slots
+    state.py            what it hands out and keeps: a step's ResultTokens, a Prefix, the DecodeState
     driver.py           Driver: continuous batching of requests in a background thread
     weights.py          WeightStore: versioned weights; publishing is a reference swap or a reshard
     prefix_cache.py     reuse of prompt prefixes' KV across requests

@@ -27,6 +27,7 @@ methods). Differences that callers see:
   * Additions: `prefill_batch` / `insert_batch` (several requests in one call),
     `generate_rows` (a step over the first n slots), `extract` (a slot's cache as a
     batch-1 KVCache, for prefix reuse), `free` (stop a slot), `move` (a slot into another).
+The types it hands out and keeps (ResultTokens, Prefix, DecodeState) are rl/engine/state.py's.
 Scheduling (queue, slots, stop conditions, prefix reuse) is rl/engine/driver.py's. The forward
 and sampling of a prefill and of a step are glmjax/decoding.py's, the functions
 glmjax.generate runs.
@@ -45,17 +46,18 @@ from __future__ import annotations
 
 import abc
 import functools
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx, struct
+from flax import nnx
 
 from glmjax import decoding, sharding
 from glmjax.cache import KVCache
 from glmjax.sampling import SamplingParams, sampling_logprobs, split_keys, token_logprobs, top_logprobs
 from rl.engine import speculative
+from rl.engine.state import DecodeState, Prefix, ResultTokens
 from rl.engine.weights import Weights, WeightStore, has_shardings
 
 try:  # google-jetstream 0.2.2; its engine_api imports seqio (TensorFlow), so usually absent
@@ -110,87 +112,6 @@ except ImportError:
 
 
 TOP_LOGPROBS = 20  # the most alternatives per token a request may ask for (OpenAI's top_logprobs limit)
-
-
-@struct.dataclass
-class SlotData:
-    tokens: Any  # [samples, K+1]
-    valid: Any
-    lengths: Any  # [samples]
-    log_probs: Any  # [samples, K+1]
-    versions: Any
-    top_ids: Any = None  # [samples, K+1, max_top_logprobs] when the step was asked for them
-    top_logps: Any = None
-    routes: Any = None  # [samples, K+1, L_moe, X] the fed positions' experts, with record_routes
-
-
-@struct.dataclass
-class ResultTokens:
-    """JetStream 0.2.2's ResultTokens (tokens, validity and lengths in one int32 array
-    `data` [B, 2(K+1) + 1]) plus per-token log_probs [B, K+1] and versions [B, K+1], and,
-    from a step asked for them, the alternatives top_ids / top_logps [B, K+1, max_top_logprobs],
-    and from an engine that records them, the experts of the positions the step fed, routes
-    [B, K+1, L_moe, X] (the pending token's, then the accepted drafts'; `valid` as the tokens)."""
-
-    data: Any
-    log_probs: Any
-    versions: Any
-    tokens_idx: tuple[int, int] = struct.field(pytree_node=False)
-    valid_idx: tuple[int, int] = struct.field(pytree_node=False)
-    length_idx: tuple[int, int] = struct.field(pytree_node=False)
-    samples_per_slot: int = struct.field(pytree_node=False)
-    top_ids: Any = None
-    top_logps: Any = None
-    routes: Any = None
-
-    _ARRAYS = ("data", "log_probs", "versions", "top_ids", "top_logps", "routes")
-
-    def copy_to_host_async(self) -> None:
-        for name in self._ARRAYS:
-            x = getattr(self, name)
-            if isinstance(x, jax.Array):
-                x.copy_to_host_async()
-
-    def convert_to_numpy(self) -> "ResultTokens":
-        return self.replace(**dict(zip(self._ARRAYS, jax.device_get([getattr(self, n) for n in self._ARRAYS]))))
-
-    def get_result_at_slot(self, slot: int) -> SlotData:
-        rows = slice(slot * self.samples_per_slot, (slot + 1) * self.samples_per_slot)
-        cols = lambda idx: self.data[rows, idx[0]:idx[1]]  # noqa: E731
-        top = (None, None) if self.top_ids is None else (self.top_ids[rows], self.top_logps[rows])
-        return SlotData(cols(self.tokens_idx), cols(self.valid_idx), cols(self.length_idx)[:, 0],
-                        self.log_probs[rows], self.versions[rows], *top,
-                        None if self.routes is None else self.routes[rows])
-
-
-class Prefix(NamedTuple):
-    """Prefilled sequences (n = 1 from `prefill`): the cache and what decoding needs next."""
-
-    cache: KVCache  # [n, max_len]; lengths [n] = tokens written
-    token: jax.Array  # [n] the first sampled token (pending: not in the cache)
-    log_prob: jax.Array  # [n]
-    version: jax.Array  # [n] int32: the weights that sampled `token`
-    drafts: jax.Array  # [n, K]
-    draft_logp: jax.Array  # [n, K, N]
-    temperature: jax.Array  # [n]
-    top_k: jax.Array  # [n]
-    rng: jax.Array  # [n] keys
-    top: Any = None  # (ids, log-probs) [n, max_top_logprobs] of `token`'s alternatives, when asked
-    routes: Any = None  # [n, T, L_moe, X] int16 the experts of each prefilled position, with record_routes
-
-
-class DecodeState(NamedTuple):
-    """The slots. Per slot b: cache row b, pending token, drafts, settings, key."""
-
-    cache: KVCache  # [B, max_len]
-    tokens: jax.Array  # [B]
-    drafts: jax.Array  # [B, K]
-    draft_logp: jax.Array  # [B, K, N]
-    temperature: jax.Array  # [B]
-    top_k: jax.Array  # [B]
-    rng: jax.Array  # [B] keys
-    active: jax.Array  # [B] bool
-    generated: jax.Array  # [B] int32: tokens produced so far (the first one included)
 
 
 def default_buckets(max_prefill_length: int, smallest: int = 16) -> tuple[int, ...]:
