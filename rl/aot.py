@@ -38,7 +38,7 @@ Per role the JSON holds `bytes_per_device` (compiled memory analysis),
 `flops_per_device` (the compiled program's matmul FLOPs, each loop body counted once per
 trip: rl/hlo_flops.py; XLA's own cost analysis, which counts a loop body once, is kept as
 `xla_cost_analysis_flops_per_device`), `bytes_accessed_per_device` (cost analysis),
-`analytic_flops_per_device` (`analytic_flops`: the model's matmul FLOPs), the roofline
+`analytic_flops_per_device` (rl/model_flops.py: the model's matmul FLOPs), the roofline
 seconds on the chip's figures, and the compile seconds. `spmd_warnings` counts XLA's
 "Involuntary full rematerialization" lines (a sharding the partitioner could only meet by
 gathering a whole array). The exit status is 0 when every role fits the chip's HBM.
@@ -59,14 +59,13 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from glmjax import cli, distributed, sharding
-from glmjax.config import ModelConfig
 from glmjax.model import GlmForCausalLM
 from rl import hlo_collectives, hlo_flops, job_plan
+from rl.model_flops import analytic_flops, learner_rows
 
 GiB = 2 ** 30
 REMAT_WARNING = "Involuntary full rematerialization"
@@ -197,7 +196,7 @@ def learner_programs(job, layout: Layout):
     with sharding.use_mesh(mesh, rules):
         (policy, actor_opt, reference, critic, critic_opt, mtp_opt), persistent = _place(job_plan.learner_objects(job),
                                                                                           mesh, rules)
-    batch = learner_batch(_learner_rows(job), job.task.max_len, mesh, rules)
+    batch = learner_batch(learner_rows(job), job.task.max_len, mesh, rules)
     weights = batch.logp_rollout
     bytes_of = lambda *objs: per_device_bytes([nnx.state(o) for o in objs if o is not None])  # noqa: E731
     programs = []
@@ -312,84 +311,6 @@ def prefill_shape(job, engine, rows: int | None, length: int | None) -> tuple[in
     return rows, engine.bucket(length or max(job.task.max_len - job.task.max_new_tokens, 1))
 
 
-# FLOPs -------------------------------------------------------------------------------------
-def layer_flops(c: ModelConfig, i: int | None, keys: float, indexed_keys: float) -> tuple[float, float]:
-    """Matmul FLOPs per token of decoder layer `i` (None: the MTP block) attending to
-    `keys` keys per query (the visible ones, or the top-k) while its indexer scores
-    `indexed_keys` (0 when the layer attends densely): (trained path, indexer), each 2 x
-    the multiply-adds of its einsums (glmjax/layers/mla.py, indexer.py, moe.py)."""
-    d, h, q, kv = c.hidden_size, c.num_attention_heads, c.q_lora_rank, c.kv_lora_rank
-    nope, rope, v = c.qk_nope_head_dim, c.qk_rope_head_dim, c.v_head_dim
-    mla = d * q + q * h * (nope + rope) + d * (kv + rope) + h * nope * kv + h * kv * v + h * v * d
-    attention = keys * h * (kv + rope + kv)  # scores over [c_kv | k_rope], then the values c_kv
-    moe = c.mtp_is_moe if i is None else c.is_moe(i)
-    if moe:
-        mlp = d * c.n_routed_experts + c.num_experts_per_tok * 3 * d * c.moe_intermediate_size
-        mlp += 3 * d * c.shared_intermediate_size
-    else:
-        mlp = 3 * d * c.intermediate_size
-    indexer = 0.0
-    if i is None or c.has_indexer(i):
-        g, ih = c.index_n_heads, c.index_head_dim
-        indexer = d * ih + (q * g * ih + d * g + indexed_keys * g * ih if indexed_keys else 0.0)
-    return 2.0 * (mla + attention + mlp), 2.0 * indexer
-
-
-def forward_flops(c: ModelConfig, tokens: int, seq: int, cached: int = 0, head_tokens: int | None = None,
-                  causal: bool = True) -> tuple[float, float]:
-    """(trained path, indexer) matmul FLOPs of a forward over `tokens` tokens in rows of
-    `seq` new tokens after `cached` cached ones: each query sees the keys up to its own
-    position (causal) or every cache position (`causal=False`: a decode step reads the
-    whole cache), at most index_topk of them where the indexer selects (it selects when
-    index_topk is below the key count); the LM head on `head_tokens` (default all)."""
-    num_keys = cached + seq
-    sparse = c.index_topk < num_keys
-    positions = np.arange(cached + 1, cached + seq + 1, dtype=np.float64)  # keys visible to each query
-    seen = positions if causal else np.full(seq, float(num_keys))
-    keys = float(np.minimum(seen, c.index_topk).sum() if sparse else seen.sum()) / seq
-    indexed = float(seen.sum()) / seq if sparse else 0.0
-    trained = indexer = 0.0
-    for i in range(c.num_hidden_layers):
-        t, x = layer_flops(c, i, keys, indexed)
-        trained, indexer = trained + t, indexer + x
-    head = 2.0 * c.hidden_size * c.vocab_size * (tokens if head_tokens is None else head_tokens)
-    return trained * tokens + head, indexer * tokens
-
-
-def analytic_flops(job, role: str, devices: int, prefill: tuple[int, int] = (1, 1)) -> float:
-    """The model's own matmul FLOPs of a role, per device.
-
-    learner_step: the actor step's forward, backward (2x) and the remat recompute of the
-    forward (`model.remat` "full": one more forward; "matmuls" keeps every matmul output:
-    none), the indexer forward only (no gradient reaches it); the KL reference's forward
-    when rl.kl_coef > 0; rl.critic_steps critic updates (the trunk, no LM head: the value
-    head reads the hidden state) with the same factors. engine_prefill: rows x bucket
-    tokens, the LM head at one position per row. engine_decode: every slot's 1 + num_draft
-    tokens over the whole cache."""
-    c, rl, task = job.model, job.rl, job.task
-    remat = 1.0 if getattr(c, "remat", "none") == "full" else 0.0
-    if role == "learner_step":
-        tokens, t = _learner_rows(job) * task.max_len, task.max_len
-        trained, indexer = forward_flops(c, tokens, t)
-        head = 2.0 * c.hidden_size * c.vocab_size * tokens
-        total = (3 + remat) * trained + (1 + remat) * indexer
-        if rl.kl_coef > 0:
-            total += trained + indexer
-        if rl.uses_critic:
-            total += max(rl.critic_steps, 1) * ((3 + remat) * (trained - head) + (1 + remat) * indexer)
-        return total / devices
-    if role == "engine_prefill":
-        rows, length = prefill
-        trained, indexer = forward_flops(c, rows * length, length, head_tokens=rows)
-        return (trained + indexer) / devices
-    if role == "engine_decode":
-        fed = 1 + rl.num_draft
-        trained, indexer = forward_flops(c, rl.slots * fed, fed, cached=task.max_len + rl.num_draft - fed,
-                                         causal=False)
-        return (trained + indexer) / devices
-    raise ValueError(f"role {role!r}: expected one of {tuple(ROLES)}")
-
-
 # Compiling ----------------------------------------------------------------------------------
 @contextlib.contextmanager
 def captured_stderr():
@@ -481,14 +402,8 @@ def combine(steps: list[dict], persistent: int) -> dict:
 
 def _learner_role(job, layout, args):
     programs, persistent, in_place = learner_programs(job, layout)
-    return programs, persistent, layout.mesh, {"rows": _learner_rows(job), "length": job.task.max_len}, {
+    return programs, persistent, layout.mesh, {"rows": learner_rows(job), "length": job.task.max_len}, {
         "policy_in_place": in_place}
-
-
-def _learner_rows(job) -> int:
-    rl = job.rl
-    return rl.batch_size * (rl.compaction.max_segments if rl.compaction.enabled else 1) + (
-        rl.replay.rows if rl.replay.enabled else 0)
 
 
 def _prefill_role(job, layout, args):

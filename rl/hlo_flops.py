@@ -17,7 +17,7 @@ optimized HLO instead and sums, per computation,
                  loop's init tuple)
 
 Elementwise work is not counted: the figure compares with a model's own matmul count
-(rl/aot.py: analytic_flops). A loop whose trip count cannot be read counts once and is
+(rl/model_flops.py: analytic_flops). A loop whose trip count cannot be read counts once and is
 listed in `unknown_trip_counts`.
 """
 

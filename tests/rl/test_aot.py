@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from rl import aot
+from rl import aot, model_flops
 from glmjax.config import ModelConfig
 from glmjax.presets import load_config
 from tests.presets_util import REPO
@@ -76,7 +76,7 @@ def test_analytic_flops_equal_a_hand_count():
     mla = d * q + q * h * (k + r) + d * (cl + r) + h * k * cl + h * cl * v + h * v * d
     keys = sum(range(1, t + 1)) / t  # causal: query j sees j + 1 keys
     per_token = 2 * (mla + keys * h * (2 * cl + r) + 3 * d * f)
-    trained, indexer = aot.forward_flops(c, 2 * t, t)
+    trained, indexer = model_flops.forward_flops(c, 2 * t, t)
     assert trained == pytest.approx(2 * t * (per_token + 2 * d * n))
     assert indexer == pytest.approx(2 * t * 2 * d * i)
     job = type("Job", (), {})()
@@ -84,7 +84,7 @@ def test_analytic_flops_equal_a_hand_count():
     job.rl = type("RL", (), dict(batch_size=2, uses_critic=False, kl_coef=0.0, critic_steps=0, replay=None,
                                  compaction=type("C", (), {"enabled": False})()))()
     job.rl.replay = type("R", (), {"enabled": False})()
-    assert aot.analytic_flops(job, "learner_step", devices=2) == pytest.approx((3 * trained + indexer) / 2)
+    assert model_flops.analytic_flops(job, "learner_step", devices=2) == pytest.approx((3 * trained + indexer) / 2)
 
 
 @pytest.mark.parametrize("arg", [None, "h200"])
