@@ -237,6 +237,11 @@ def failures(reason: str | None) -> list[tuple[int, str]]:
     return [(i, r) for i, r in enumerate(gather_objects(reason)) if r is not None]
 
 
+def describe_failures(failures: list[tuple[int, str]]) -> str:
+    """`failures`' reasons on one line, each named by its process when there are several."""
+    return "; ".join(why if jax.process_count() == 1 else f"process {i}: {why}" for i, why in failures)
+
+
 def process_meshes(mesh: Mesh) -> list[Mesh]:
     """Each process's devices in `mesh` as a mesh of the same axes: the block of the device
     grid they form, its sizes those of `mesh` divided where the processes split an axis

@@ -22,7 +22,6 @@ import concurrent.futures
 import logging
 import os
 
-import jax
 import numpy as np
 from safetensors import SafetensorError
 from tqdm.auto import tqdm
@@ -111,9 +110,8 @@ def build_base(cfg, workdir: str, demo_tasks=(), mesh=None) -> glmjax.GlmForCaus
         if not failures:
             return model
         aside = storage.set_aside(path) if distributed.is_main() else path + ".corrupt"
-        why = "; ".join(r if jax.process_count() == 1 else f"process {i}: {r}" for i, r in failures)
         log.warning("the cached base model in %s does not read (%s); it is moved to %s and trained again", path,
-                    why, aside)
+                    distributed.describe_failures(failures), aside)
     if b.checkpoint:
         model = load_checkpoint(b.checkpoint, cfg.model, mesh)
     else:

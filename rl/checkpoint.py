@@ -124,8 +124,7 @@ class LoopCheckpointer:
             failures = distributed.failures(reason)
             if not failures:
                 break
-            failed.append((step, "; ".join(why if jax.process_count() == 1 else f"process {i}: {why}"
-                                           for i, why in failures)))
+            failed.append((step, distributed.describe_failures(failures)))
         else:
             if failed:
                 raise UnreadableCheckpoints(f"no checkpoint in {self.directory} reads: " + "; ".join(
