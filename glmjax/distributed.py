@@ -189,12 +189,55 @@ def batch_sharding(mesh, shape, rules=None) -> jax.sharding.NamedSharding:
     return jax.sharding.NamedSharding(mesh, sharding.logical_spec(names, shape, mesh=mesh, rules=rules))
 
 
-def global_batch(tree, mesh, rules=None):
-    """Host arrays (every process holds the whole batch) as global arrays split by rows
-    over the batch axes; `tree` itself without a mesh."""
+def global_batch(tree, mesh, rules=None, share: RowShare | None = None):
+    """Host arrays as global arrays split by rows over the batch axes; `tree` itself without
+    a mesh. Every process holds the whole batch, or with `share` only the rows its devices
+    hold (RowShare.rows, in that order)."""
     if mesh is None:
         return tree
+    if share is not None:
+        return jax.tree.map(lambda x: share.place(np.asarray(x), mesh, rules), tree)
     return jax.tree.map(lambda x: global_array(np.asarray(x), batch_sharding(mesh, np.shape(x), rules)), tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class RowShare:
+    """The rows of a global batch of `total` rows that this process's devices hold under the
+    batch axes: a process that fills exactly these rows with data it has (its own rollouts)
+    builds its part of the global batch without any exchange.
+
+        share = RowShare.of(mesh, total=256)
+        global_batch(local_tree, mesh, share=share)       # local_tree: [len(share.rows), ...]
+    """
+
+    total: int
+    rows: np.ndarray  # [R] the global row of each local row, increasing
+
+    @classmethod
+    def of(cls, mesh: Mesh, total: int, rules=None) -> RowShare:
+        index = batch_sharding(mesh, (total,), rules).addressable_devices_indices_map((total,))
+        held = sorted({r for idx in index.values() for r in range(*idx[0].indices(total))})
+        return cls(total, np.asarray(held, np.int64))
+
+    @property
+    def disjoint(self) -> bool:
+        """Whether the processes' rows partition the batch (the batch axes split rows across
+        processes, evenly); otherwise a row is held by several processes, which must then
+        hold the same data for it."""
+        return len(self.rows) * jax.process_count() == self.total
+
+    def place(self, local: np.ndarray, mesh: Mesh, rules=None) -> jax.Array:
+        """local [len(rows), ...] -> the global array [total, ...]: each device of this
+        process takes its rows from `local`."""
+        if local.shape[0] != len(self.rows):
+            raise ValueError(f"RowShare.place: {local.shape[0]} rows given, this process holds {len(self.rows)}")
+        shape = (self.total,) + local.shape[1:]
+
+        def piece(index):
+            rows = np.arange(self.total)[index[0]]
+            return local[(np.searchsorted(self.rows, rows),) + tuple(index[1:])]
+
+        return jax.make_array_from_callback(shape, batch_sharding(mesh, shape, rules), piece)
 
 
 # Several processes in one job ---------------------------------------------------------

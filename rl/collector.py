@@ -37,6 +37,7 @@ from rl import rollout as ro
 from rl import sao
 from rl.engine.driver import Driver, Handle, Request
 from rl.engine.groups import DOWN as GROUP_DOWN
+from rl.engine.lockstep import LockstepDriver
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +232,8 @@ def drive(driver: Driver, rollouts, workers: int = 4, max_active: int | None = N
     steps while any model turn is queued or decoding, environment work runs in a pool. A
     rollout whose environment raises ends without a reward (`finish_reason="env_error"`).
     `rollouts` may be any iterable; with `max_active`, at most that many are in flight and
-    the next starts as soon as one ends."""
+    the next starts as soon as one ends. With a LockstepDriver (rl/engine/lockstep.py) every
+    process calls drive with its own rollouts, and each returns once all are done."""
     waiting = {}  # driver handle or pool future -> rollout
     pending = iter(rollouts)
     active = [0]
@@ -263,14 +265,18 @@ def drive(driver: Driver, rollouts, workers: int = 4, max_active: int | None = N
         else:
             end(r, pool)
 
+    lockstep = isinstance(driver, LockstepDriver)  # every process steps until all are done
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="glmjax-env") as pool:
         refill(pool)
-        while waiting:
-            if driver.load:
+        while waiting or lockstep:
+            if lockstep and driver.sync(done=not waiting):
+                break
+            if not lockstep and driver.load:
                 driver.step()
-            else:
+            elif not driver.load:
                 futures = [k for k in waiting if not isinstance(k, Handle)]
-                concurrent.futures.wait(futures, timeout=0.1, return_when=concurrent.futures.FIRST_COMPLETED)
+                timeout = 0.002 if lockstep else 0.1  # the other processes wait at the next sync
+                concurrent.futures.wait(futures, timeout=timeout, return_when=concurrent.futures.FIRST_COMPLETED)
             for key in [k for k in waiting if k.done()]:
                 r = waiting.pop(key)
                 if isinstance(key, Handle):

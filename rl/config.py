@@ -284,6 +284,10 @@ class RLConfig:
     # the engine on devices of its own, after the learner's: their axis sizes, e.g.
     # "expert=2,tensor=2" ("": on the learner's devices)
     engine_mesh: str = ""
+    # with several processes: an engine on each process's own devices ("process"), or one engine
+    # over every device of the job ("job"; no process holds a whole model), which every
+    # process steps in lockstep (rl/engine/lockstep.py)
+    engine_span: str = "process"
     # engines over blocks of the learner's devices, each over rl.engine_mesh, behind one router
     # (rl/engine/groups.py); a group that stops, or holds requests without a step for
     # engine_stall_seconds, has its rollouts in flight dropped and is rebuilt
@@ -320,6 +324,9 @@ class RLConfig:
         if self.engine_groups > 1 and not self.engine_mesh:
             raise ValueError(f"rl.engine_groups={self.engine_groups} needs rl.engine_mesh: each group's axis sizes, "
                              "e.g. expert=2,tensor=2 (the groups split the learner's devices)")
+        if self.engine_span not in ("process", "job"):
+            raise ValueError(f"rl.engine_span={self.engine_span!r} is invalid: expected 'process' (an engine per "
+                             "process) or 'job' (one engine over every process's devices)")
         if self.engine_stall_seconds <= 0:
             raise ValueError(f"rl.engine_stall_seconds={self.engine_stall_seconds} is invalid: expected > 0")
         _at_least("rl", self, 0, "steps", "tau", "critic_steps")

@@ -80,13 +80,15 @@ def evaluate_tasks(job, driver: Driver, tasks, greedy: bool = True, **kw) -> dic
     return dict(pooled, seconds=max(r["seconds"] for _, r in parts), failed=sum(r["failed"] for _, r in parts))
 
 
-def matrix(job, engine: GlmEngine, heldout, workdir: str) -> dict:
+def matrix(job, engine: GlmEngine, heldout, workdir: str, driver: Driver | None = None) -> dict:
     """The evaluation matrix (envs/evaluate.py, as `glmjax-envs eval` runs it) on the final
     weights through the engine client, the held-out tasks as its terminal category:
     pass@k with bootstrap intervals, sampled at the RL temperature. Written to
-    workdir/eval_matrix.json."""
+    workdir/eval_matrix.json. `driver`: one already served (a LockstepDriver's `serve_while`),
+    else a Driver of the engine's in a thread of its own."""
     e, m = job.env, job.eval
-    driver = Driver(engine).start()
+    own = driver is None
+    driver = Driver(engine).start() if own else driver
     try:
         report = evaluate_matrix.evaluate(
             EngineClient(driver, chat=rl_tasks.job_chat(job)), categories=["terminal"],
@@ -96,6 +98,7 @@ def matrix(job, engine: GlmEngine, heldout, workdir: str) -> dict:
             temperature=job.rl.temperature, show_help=e.show_help, timing=e.timing,
             limits=rl_tasks.sandbox_limits(job), action_format=rl_tasks.action_format(job))
     finally:
-        driver.stop()
+        if own:
+            driver.stop()
     storage.write_text(os.path.join(workdir, "eval_matrix.json"), json.dumps(report, indent=2))
     return report

@@ -374,14 +374,17 @@ class Learner:
             self._bound = fns
         return self._bound
 
-    def step(self, batch: sao.Batch, group_ids=None, advantages=None, row_weights=None, teacher=None) -> dict:
+    def step(self, batch: sao.Batch, group_ids=None, advantages=None, row_weights=None, teacher=None,
+             share: distributed.RowShare | None = None) -> dict:
         """One update; returns host-side metrics (floats). A batch with non-finite rewards
         or rollout log-probs, or whose gradients are not finite, changes nothing.
         advantages [B, T]: the caller's own, in place of the configured algorithm's (only
         with `external_advantages`). row_weights [B]: a factor on each row's tokens in the
         loss (prioritized replay's importance weights). teacher: the teacher's distribution
         on the batch's tokens (rl/distill/teachers.py: score), with `distill`. The
-        advantages used are kept in `last_advantages`."""
+        advantages used are kept in `last_advantages`. share: the batch holds only the rows
+        this process's devices hold (glmjax/distributed.py: RowShare), and group ids are
+        unique across processes."""
         if (advantages is not None) != self.external_advantages:
             raise ValueError(f"Learner.step: expected advantages={'[B, T]' if self.external_advantages else 'None'} "
                              f"(external_advantages={self.external_advantages}), got "
@@ -390,15 +393,20 @@ class Learner:
             raise ValueError("Learner.step: a teacher's distribution goes with a learner made with `distill`, "
                              "and only with one")
         mask = np.asarray(batch.action_mask)
-        if not (np.isfinite(np.asarray(batch.rewards)).all()
-                and np.isfinite(np.asarray(batch.logp_rollout)[mask > 0]).all()):
+        finite = bool(np.isfinite(np.asarray(batch.rewards)).all()
+                      and np.isfinite(np.asarray(batch.logp_rollout)[mask > 0]).all())
+        if share is not None and jax.process_count() > 1:  # each process saw its own rows: all skip, or none
+            finite = all(distributed.gather_objects(finite))
+        if not finite:
             self.skipped += 1
             return {"skipped_nonfinite": 1.0}
         rl, metrics = self.rl, {}
         if rl.routing_replay == "off" and batch.routes is not None:
             batch = batch._replace(routes=None)
-        place = jnp.asarray if self.mesh is None else lambda x: distributed.global_batch(x, self.mesh)  # noqa: E731
-        batch = distributed.global_batch(batch, self.mesh)
+        def place(x):
+            return jnp.asarray(x) if self.mesh is None else distributed.global_batch(x, self.mesh, share=share)
+
+        batch = distributed.global_batch(batch, self.mesh, share=share)
         weights = _token_weights(batch.action_mask, batch.rollout_id)
         if row_weights is not None:
             weights = weights * place(np.asarray(row_weights, np.float32)[:, None])

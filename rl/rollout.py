@@ -63,6 +63,29 @@ class Trajectory:
         return version - min(self.versions) if self.versions else 0
 
 
+@dataclasses.dataclass(frozen=True)
+class Seen:
+    """What the job's metrics read of a trajectory: small enough to send to every process,
+    where the trajectory itself stays with the process that learns from it."""
+
+    rollout_id: int
+    segment_index: int
+    task_id: str
+    reward: float
+    raw_reward: float | None
+    first_version: int | None  # the oldest weight version among its tokens
+    completion_tokens: int
+    compacted: bool  # a segment that a later one continues (rl/compaction.py)
+
+    @classmethod
+    def of(cls, tr: Trajectory) -> Seen:
+        return cls(tr.rollout_id, tr.segment_index, tr.task_id, tr.reward, tr.raw_reward,
+                   min(tr.versions) if tr.versions else None, len(tr.completion), tr.finish_reason == "compacted")
+
+    def staleness(self, version: int) -> int:
+        return version - self.first_version if self.first_version is not None else 0
+
+
 class RouteLog:
     """The experts the engine chose at each position of one token sequence (a segment:
     prompt + completion), merged from the Results of the requests that ran its positions:

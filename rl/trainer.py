@@ -59,10 +59,10 @@ from rl.checkpoint import LoopCheckpointer
 from rl.collector import Collector
 from rl.compaction import Compaction
 from rl.config import JobConfig
-from rl.engine.driver import Driver
 from rl.engine.engine import GlmEngine
 from rl.engine.groups import EngineGroups
 from rl.engine.groups import describe as describe_groups
+from rl.engine.lockstep import LockstepDriver, driver_for
 from rl.engine.weights import WeightStore
 from rl.evaluation import evaluate_tasks, matrix
 from rl.export import export
@@ -146,7 +146,7 @@ def _run(job: JobConfig, workdir: str, make_rollout, mesh) -> dict:
         batch = loop.admit(local)
         metrics = loop.learn(batch)
         loop.publish()
-        metrics.update(loop.measure(batch))
+        metrics.update(loop.measure())
         metrics.update(loop.validate())
         loop.log(metrics)
         loop.checkpoint()
@@ -175,7 +175,9 @@ class Loop:
         else:
             self.engine = _engine(job, self.policy, mesh)
             self.store = self.engine.weights
-            self.driver = Driver(self.engine)
+            self.driver = driver_for(self.engine)  # a LockstepDriver when the engine spans processes
+        self.lockstep = isinstance(self.driver, LockstepDriver)
+        self._held = None  # lockstep: this process's batch share, taken while the others complete theirs
         # an engine that decodes from copies leaves the policy's arrays to the learner alone
         self.learner = Learner(self.policy, self.critic, rl, mesh=mesh,
                                donate_policy=self.store.copies(nnx.state(self.policy)))
@@ -200,6 +202,7 @@ class Loop:
         self.rows = rl.batch_size * (self.compaction.max_segments if self.compaction else 1)  # one learner shape
         self.replay = BatchReplay(capacity=rl.replay.capacity, rows=rl.replay.rows, alpha=rl.replay.alpha,
                                   beta=rl.replay.beta, seed=job.seed) if rl.replay.enabled else None
+        self.row_share = _row_share(mesh, self.rows + (self.replay.rows if self.replay else 0))
         self.shared = {"env_seconds": 0.0, "rollout_seconds": 0.0, "dropped": collections.Counter(), "turns": [],
                        "rerendered": []}
         self.drafted = (0, 0)  # the driver's accepted drafts and busy slot-steps at the last learner step
@@ -259,6 +262,12 @@ class Loop:
         """This process's next batch share, or None while it is incomplete (generation
         goes on meanwhile)."""
         self.collector.poll(self.store.version)
+        if self.lockstep:  # one engine step with every process; the batch once every share is complete
+            self._held = self._held or self.collector.take(self.share)
+            if not self.driver.sync(done=self._held is not None):
+                return None
+            local, self._held = self._held, None
+            return local
         local = self.collector.take(self.share)
         if local is None:
             self.driver.resume()
@@ -266,34 +275,38 @@ class Loop:
         return local
 
     def admit(self, local: list) -> list:
-        """The whole batch, every process's share in rollout order; generation pauses while
-        it trains if the next batch is complete too (rl.generation_yields)."""
+        """The part of the batch this process learns from: its own rollouts, in rollout
+        order, which fill the rows its devices hold (`row_share`); every process's rollouts
+        when the learner's layout holds a row on several processes. Every process receives
+        a summary of each rollout (rl/rollout.py: Seen) for the metrics. Generation pauses
+        while it trains if the next batch is complete too (rl.generation_yields)."""
         if self.job.rl.generation_yields and self.collector.ready_rollouts() >= self.share:
             self.driver.pause()
         else:
             self.driver.resume()
-        self.shared = _gathered(self.collector, local)
-        return self.shared["batch"]
+        whole = self.processes > 1 and self.row_share is None
+        self.shared = _gathered(self.collector, local, whole)
+        return self.shared["batch"] if whole else sorted(local, key=lambda tr: (tr.rollout_id, tr.segment_index))
 
     def learn(self, batch: list) -> dict:
         """One learner step on the batch (rl/learner.py): group ids for group baselines
         (padding and replayed rows are groups of their own), and `rl.replay.rows` stored rows
         beside the fresh ones when replay is on (rl/replay.py: BatchReplay)."""
         t0 = time.time()
-        group, rows = self.job.rl.group_size, self.rows
-        extra = self.replay.rows if self.replay else 0
+        group, share = self.job.rl.group_size, self.row_share
+        held = np.arange(self.rows + (self.replay.rows if self.replay else 0)) if share is None else share.rows
         group_ids = None
-        if group > 1:
-            names = [tr.rollout_id // group for tr in batch] + [-1 - i for i in range(rows + extra - len(batch))]
-            group_ids = np.unique(names, return_inverse=True)[1]
-        arrays = ro.to_batch(batch, length=self.job.task.max_len, rows=rows + extra)
+        if group > 1:  # each padding row a group of its own, named by its global row
+            group_ids = np.asarray([tr.rollout_id // group for tr in batch] + [-1 - r for r in held[len(batch):]])
+        arrays = ro.to_batch(batch, length=self.job.task.max_len, rows=len(held))
         if self.replay is None:
-            metrics = self.learner.step(arrays, group_ids=group_ids)
+            metrics = self.learner.step(arrays, group_ids=group_ids, share=share)
         else:
-            arrays, weights, drawn = self.replay.fill(arrays, fresh=rows)
+            arrays, weights, drawn = self.replay.fill(arrays, fresh=self.rows)
             metrics = self.learner.step(arrays, group_ids=group_ids, row_weights=weights)
-            self.replay.update(arrays, self.learner.last_advantages, fresh=rows, drawn=drawn)
-            metrics.update(replay_size=float(len(self.replay.buffer)), replay_rows=float(drawn is not None) * extra)
+            self.replay.update(arrays, self.learner.last_advantages, fresh=self.rows, drawn=drawn)
+            metrics.update(replay_size=float(len(self.replay.buffer)),
+                           replay_rows=float(drawn is not None) * self.replay.rows)
         self.step += 1
         self.learn_started = t0
         return metrics
@@ -304,15 +317,17 @@ class Loop:
         self.learner_s = time.time() - self.learn_started
         self.totals.add("learner_seconds", self.learner_s)
 
-    def measure(self, batch: list) -> dict:
-        """Rewards, staleness, throughput and the engine's speculation of this step."""
-        last = [tr for tr in batch if tr.finish_reason != "compacted"]  # one row per rollout
+    def measure(self) -> dict:
+        """Rewards, staleness, throughput and the engine's speculation of this step, over
+        every process's rollouts."""
+        seen = self.shared["seen"]
+        last = [tr for tr in seen if not tr.compacted]  # one row per rollout
         self.last = last
         self.rollouts += len(last)
-        self.staleness = [tr.staleness(self.store.version - 1) for tr in batch]
+        self.staleness = [tr.staleness(self.store.version - 1) for tr in seen]
         metrics = {}
         if self.compaction:
-            metrics["segments_per_rollout"] = len(batch) / len(last)
+            metrics["segments_per_rollout"] = len(seen) / len(last)
         if self.shared["turns"]:
             metrics["turns_per_episode"] = float(np.mean(self.shared["turns"]))
         if self.shared["rerendered"]:  # agent episodes: calls whose history the agent sent otherwise
@@ -322,7 +337,7 @@ class Loop:
             counts = self.driver.stats["accepted_drafts"], self.driver.stats["busy_slot_steps"]
             metrics["mtp_accept_len"] = (counts[0] - self.drafted[0]) / max(counts[1] - self.drafted[1], 1)
             self.drafted = counts
-        metrics["tokens_per_s"] = sum(len(tr.completion) for tr in batch) / max(now - self.last_step_at, 1e-9)
+        metrics["tokens_per_s"] = sum(tr.completion_tokens for tr in seen) / max(now - self.last_step_at, 1e-9)
         self.last_step_at = now
         if last[0].raw_reward is not None:
             metrics["reward_raw"] = float(np.mean([tr.raw_reward for tr in last]))
@@ -342,7 +357,7 @@ class Loop:
         self.driver.pause()
         metrics = {}
         for name, greedy in (("greedy", True), ("sampled", False)):
-            result = evaluate_tasks(self.job, Driver(self.engine), self.validation, greedy=greedy)
+            result = evaluate_tasks(self.job, driver_for(self.engine), self.validation, greedy=greedy)
             self.logs.eval({f"validation_{name}_pass_rate": result["pass_rate"]}, self.step)
             metrics[f"validation_{name}_pass_rate"] = result["pass_rate"]
         self.driver.resume()
@@ -396,7 +411,7 @@ class Loop:
         serves the store's newest), summary.json, and for an agentic job the blind ablation
         and the evaluation matrix."""
         job, base = self.job, self.base
-        final = evaluate_tasks(job, Driver(self.engine), self.heldout)
+        final = evaluate_tasks(job, driver_for(self.engine), self.heldout)
         self.logs.eval(final, self.step)
         summary = {"base_pass_rate": base["pass_rate"], "final_pass_rate": final["pass_rate"], "steps": self.step,
                    "rollouts": self.rollouts, "algorithm": job.rl.algorithm, "eta": job.rl.eta,
@@ -406,7 +421,10 @@ class Loop:
                    "warmup_seconds": self.totals["warmup_seconds"], "rl_seconds": self.rl_seconds,
                    "learner_busy_fraction": self.totals["learner_seconds"] / self.rl_seconds,
                    "relative_gain": (final["pass_rate"] - base["pass_rate"]) / max(base["pass_rate"], 1e-9),
-                   "resumed_from_step": self.resumed["step"] if self.resumed else None, "processes": self.processes}
+                   "resumed_from_step": self.resumed["step"] if self.resumed else None, "processes": self.processes,
+                   # the learner's rows each process filled from its own rollouts (None: every process had them all)
+                   "learner_rows_per_process": None if self.row_share is None else len(self.row_share.rows),
+                   "learner_rows": self.row_share.total if self.row_share is not None else None}
         if self.groups is not None:  # how the router spread the rollouts, and what failed
             summary["engine_groups"] = self.groups.utilisation()
         if self.engine.num_draft:  # over this process's training rollouts
@@ -414,15 +432,22 @@ class Loop:
             summary.update(num_draft=self.engine.num_draft,
                            mtp_accept_len=stats["accepted_drafts"] / max(stats["busy_slot_steps"], 1))
         if job.agentic:  # the same policy with every command's output hidden: what reading is worth
-            blind = evaluate_tasks(job, Driver(self.engine), self.heldout, blank_observations=True)
+            blind = evaluate_tasks(job, driver_for(self.engine), self.heldout, blank_observations=True)
             summary.update(final_pass_rate_blind=blind["pass_rate"], base_turns_per_episode=base["turns"],
                            final_turns_per_episode=final["turns"], env_seconds=self.env_seconds,
                            env_time_fraction=self.shared["env_seconds"] / max(self.shared["rollout_seconds"], 1e-9))
         summary["export"] = self.export("final")
         if distributed.is_main():
             storage.write_text(os.path.join(self.workdir, "summary.json"), json.dumps(summary, indent=2))
-            if job.agentic and job.eval.matrix_tasks:
-                report = matrix(job, self.engine, self.heldout, self.workdir)  # process 0's engine alone
+        if job.agentic and job.eval.matrix_tasks:  # process 0's; an engine over all processes serves it in step
+            if self.lockstep:
+                work = (lambda d: matrix(job, self.engine, self.heldout, self.workdir, d)) if distributed.is_main() \
+                    else (lambda d: None)
+                driver = LockstepDriver(self.engine)
+                report = driver.serve_while(lambda: work(driver))
+            else:
+                report = matrix(job, self.engine, self.heldout, self.workdir) if distributed.is_main() else None
+            if report is not None:
                 print(evaluate_matrix.table(report), flush=True)
         self.logs.close()
         say(format_table(summary))
@@ -479,7 +504,8 @@ def _engine(job: JobConfig, policy, mesh) -> GlmEngine:
         return GlmEngine(policy, weights=WeightStore(nnx.state(policy)), max_concurrent_decodes=rl.slots,
                          max_len=max_len, num_draft=drafts, record_routes=record)
     rules = ENGINE_RULES[rl.engine_rules] or sharding.current_rules()
-    where = own if own is not None else distributed.local_mesh(mesh)  # several processes: each its own devices
+    # several processes: each its own devices, or (rl.engine_span="job") every device of the job
+    where = own if own is not None else mesh if rl.engine_span == "job" else distributed.local_mesh(mesh)
     state = nnx.state(policy)
     store = WeightStore(state, shardings=sharding.param_shardings(state, where, rules))
     return GlmEngine(policy, weights=store, max_concurrent_decodes=rl.slots, max_len=max_len, mesh=where,
@@ -550,18 +576,33 @@ def _describe_placement(job: JobConfig, engine: GlmEngine, mesh, groups=None) ->
     elif jax.process_count() > 1:
         where = f"{where} over {jax.process_count()} processes"
         engines = f"one engine per process on its {engine.mesh.size} devices"
+        if engine.mesh.is_multi_process:
+            engines = f"one engine over all {engine.mesh.size} devices, every process stepping it in lockstep"
     say(f"policy and critic on {where}; {engines} in the {job.rl.engine_rules} layout")
 
 
-def _gathered(collector: Collector, local: list) -> dict:
-    """This step's share of every process: the batch in rollout order (as one process's
-    collector would take it), the turns of the episodes finished since the last step, and
-    the collectors' environment and rollout seconds and dropped rollouts so far."""
+def _row_share(mesh, rows: int) -> distributed.RowShare | None:
+    """The learner batch's rows this process fills with its own rollouts; None without a
+    mesh, or when the learner's layout holds a row on several processes (each then needs
+    every process's rollouts: `_gathered(whole=True)`)."""
+    if mesh is None:
+        return None
+    share = distributed.RowShare.of(mesh, rows)
+    return share if share.disjoint else None
+
+
+def _gathered(collector: Collector, local: list, whole: bool = False) -> dict:
+    """What every process needs of this step's shares: a summary of each trajectory in
+    rollout order (rl/rollout.py: Seen; with `whole`, the trajectories too, as "batch"), the
+    turns of the episodes finished since the last step, and the collectors' environment and
+    rollout seconds and dropped rollouts so far."""
     done = [r for _, r in collector.drain_finished() if hasattr(r, "turns")]
     finished = [(r.turns, r.info.get("rerendered")) for r in done]
-    parts = distributed.gather_objects((local, finished, collector.env_seconds, collector.rollout_seconds,
+    sent = local if whole else [ro.Seen.of(tr) for tr in local]
+    parts = distributed.gather_objects((sent, finished, collector.env_seconds, collector.rollout_seconds,
                                         dict(collector.dropped)))
-    return {"batch": sorted((tr for p in parts for tr in p[0]), key=lambda tr: (tr.rollout_id, tr.segment_index)),
+    order = sorted((tr for p in parts for tr in p[0]), key=lambda tr: (tr.rollout_id, tr.segment_index))
+    return {"seen": [ro.Seen.of(tr) for tr in order] if whole else order, "batch": order if whole else None,
             "turns": [t for p in parts for t, _ in p[1]],
             "rerendered": [n for p in parts for _, n in p[1] if n is not None], "env_seconds": sum(p[2] for p in parts),
             "rollout_seconds": sum(p[3] for p in parts),

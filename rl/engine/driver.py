@@ -328,7 +328,7 @@ class Driver:
                 prefix = e.prefill_batch(params=weights, tokens=[piece], existing=[cache])
                 cache = prefix.cache
                 if routes is not None:
-                    routes.append(np.asarray(prefix.routes[0]))
+                    routes.append(e.fetch(prefix.routes)[0])
                 pos += chunk
             groups.setdefault(e.bucket(len(prompt) - pos), []).append((i, handle, prompt, reused, cache, pos, routes))
         for group in groups.values():
@@ -346,9 +346,9 @@ class Driver:
         prefix = e.prefill_batch(params=weights, tokens=[np.asarray(p[pos:], np.int32) for _, _, p, _, _, pos, _ in group],
                                  existing=[c for *_, c, _, _ in group], sampling=sampling, top_logprobs=top)
         self.state = e.insert_batch(prefix, self.state, [i for i, *_ in group])
-        tokens, log_probs, versions = np.asarray(prefix.token), np.asarray(prefix.log_prob), np.asarray(prefix.version)
-        top_ids, top_logps = (None, None) if prefix.top is None else (np.asarray(x) for x in prefix.top)
-        prefilled = None if prefix.routes is None else np.asarray(prefix.routes)
+        tokens, log_probs, versions, top, prefilled = e.fetch((prefix.token, prefix.log_prob, prefix.version,
+                                                               prefix.top, prefix.routes))
+        top_ids, top_logps = (None, None) if top is None else top
         for row, (i, handle, prompt, reused, _, pos, routes) in enumerate(group):
             self.stats["prefill_tokens"] += len(prompt) - reused
             self.stats["reused_tokens"] += reused

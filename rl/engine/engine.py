@@ -194,6 +194,7 @@ class GlmEngine(_Engine):
         self._free_fn = jax.jit(lambda state, slot: state._replace(active=state.active.at[slot].set(False)),
                                 in_shardings=(st, rep), out_shardings=st, donate_argnums=(0,))
         self._extract_fn = jax.jit(lambda state, slot: state.cache.rows(slot, 1), in_shardings=(st, rep))
+        self._replicate_fn = None  # fetch: made on first use, on a mesh that spans processes
 
     # Properties ------------------------------------------------------------------------
     @property
@@ -361,6 +362,17 @@ class GlmEngine(_Engine):
         if self.record_routes:
             prefix = prefix._replace(routes=_positions_first(out.routes))
         return prefix, alternatives
+
+    def fetch(self, tree):
+        """`tree`'s arrays on the host. On a mesh that spans processes each process holds only
+        its own devices' shards, so the arrays are first copied onto every device (they are
+        a prefill's few per-row values)."""
+        if not self._mesh.is_multi_process:
+            return jax.device_get(tree)
+        if self._replicate_fn is None:
+            self._replicate_fn = jax.jit(lambda t: t, out_shardings=sharding.NamedSharding(self._mesh,
+                                                                                         sharding.PartitionSpec()))
+        return jax.device_get(self._replicate_fn(tree))
 
     def _prefix_shardings(self, prefix: Prefix) -> Prefix:
         """A Prefix of n rows laid out as n slots of the decode state."""
