@@ -108,31 +108,41 @@ def _base(workdir) -> None:
 
 
 def test_two_processes_run_the_sao_job_as_one(tmp_path):
-    """Synchronous SAO (rl.eta=0) on fsdp=4 x expert=2 as 2 processes of 4 devices, each with
-    its own engine, trains on the rollouts one process of 8 devices makes: the same tasks,
-    rewards and losses step by step and the same parameters in the last checkpoint, which
-    both processes wrote. Only process 0 prints and logs. Resumed from it by 2 processes,
-    asynchronously (rl.eta=1), the job runs 2 more steps and ends."""
+    """Synchronous SAO (rl.eta=0) on fsdp=4 x expert=2 as 2 processes of 4 devices trains on
+    the rollouts one process of 8 devices makes: the same tasks, rewards and losses step by
+    step and the same parameters in the last checkpoint, which both processes wrote; with an
+    engine per process, and with one engine over all 8 devices that both processes step in
+    lockstep (rl.engine_span=job). Each process learns from its own rollouts, in the 4 of
+    the 8 learner rows its devices hold. Only process 0 prints and logs. Resumed from it by
+    2 processes, asynchronously (rl.eta=1) with the engine over both, the job runs 2 more
+    steps and ends."""
     from tests.rl.test_trainer import _metrics, _same_steps
 
-    one, two = tmp_path / "one", tmp_path / "two"
+    one, two, span = tmp_path / "one", tmp_path / "two", tmp_path / "span"
     _base(one)
-    subprocess.run(["cp", "-r", str(one), str(two)], check=True)  # the same starting point
+    for other in (two, span):  # the same starting point
+        subprocess.run(["cp", "-r", str(one), str(other)], check=True)
     _job(one, 1)
-    first, second = _job(two, 2)
-    assert "over 2 processes; one engine per process on its 4 devices" in first.stdout, first.stdout[-2000:]
-    assert "pass rate" in first.stdout and "pass rate" not in second.stdout, second.stdout[-2000:]
-    assert len((two / "metrics.jsonl").read_text().splitlines()) == 3  # one writer
-    got, expected = _metrics(two), _metrics(one)
-    assert sorted(got) == sorted(expected) == [1, 2, 3]
+    expected = _metrics(one)
+    assert sorted(expected) == [1, 2, 3]
     assert any(r["reward"] > 0 for r in expected.values()), expected  # something to learn from
-    _same_steps(got, expected, expected, rtol=1e-4)
-    a, b = _checksum(one, 3), _checksum(two, 3)
-    assert abs(a - b) <= 1e-5 * a, (a, b)
-    summary = json.loads((two / "summary.json").read_text())
-    assert summary["processes"] == 2 and summary["steps"] == 3 and summary["rollouts"] == 24
+    engines = {two: "one engine per process on its 4 devices",
+               span: "one engine over all 8 devices, every process stepping it in lockstep"}
+    for workdir, engine in engines.items():
+        first, second = _job(workdir, 2, f"--config.rl.engine_span={'job' if workdir == span else 'process'}")
+        assert f"over 2 processes; {engine}" in first.stdout, first.stdout[-2000:]
+        assert "pass rate" in first.stdout and "pass rate" not in second.stdout, second.stdout[-2000:]
+        assert len((workdir / "metrics.jsonl").read_text().splitlines()) == 3  # one writer
+        got = _metrics(workdir)
+        assert sorted(got) == [1, 2, 3]
+        _same_steps(got, expected, expected, rtol=1e-4)
+        a, b = _checksum(one, 3), _checksum(workdir, 3)
+        assert abs(a - b) <= 1e-5 * a, (a, b)
+        summary = json.loads((workdir / "summary.json").read_text())
+        assert summary["processes"] == 2 and summary["steps"] == 3 and summary["rollouts"] == 24
+        assert summary["learner_rows_per_process"] == 4 and summary["learner_rows"] == 8
 
-    first, _ = _job(two, 2, "--config.rl.steps=5", "--config.rl.eta=1")
+    first, _ = _job(two, 2, "--config.rl.steps=5", "--config.rl.eta=1", "--config.rl.engine_span=job")
     assert "resumed from step 3" in first.stdout, first.stdout[-2000:]
     summary = json.loads((two / "summary.json").read_text())
     assert summary["steps"] == 5 and summary["rollouts"] == 40 and summary["resumed_from_step"] == 3
