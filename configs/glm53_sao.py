@@ -15,10 +15,9 @@ a value model of its own, 64 concurrent decodes per engine. `get_config(arg)`:
           1.25x its tokens' expert copies (model.moe_capacity_factor), exchanged 2048 tokens
           at a time (model.moe_chunk_tokens). The engine decodes in the "decode" rules
           (rl.engine_rules: experts split over all 256 chips, every other weight whole on
-          each) over the whole slice: no host's 4 chips hold GLM-5.3 (the layout
-          glmjax-aot compiles; glmjax-train does not yet run one engine across hosts:
-          README, "Launching"). Its weights are a copy in those rules, so the learner
-          updates the policy's in place;
+          each) over the whole slice (rl.engine_span="job": every host steps the one engine
+          in lockstep, rl/engine/lockstep.py): no host's 4 chips hold GLM-5.3. Its weights
+          are a copy in those rules, so the learner updates the policy's in place;
   "h200"  128 H200s over 16 hosts: mesh fsdp=32 x expert=4, a process per host (8 GPUs
           each). 64 cannot hold the job: the policy, the critic and their Adam states
           alone are 140.7 GB of each GPU's 141. A GPU target cannot be compiled on a CPU:
@@ -61,7 +60,8 @@ def get_config(arg=None):
     config.task = section(TaskConfig, max_len=8192, max_new_tokens=6144, train_tasks=100000, eval_tasks=500)
     config.base = section(BaseConfig)
     config.rl = section(RLConfig, steps=1000, batch_size=256, slots=64, temperature=1.0, actor_lr=1e-6,
-                        critic_lr=5e-6, critic_warmup=20, export_every=100, engine_rules="decode")
+                        critic_lr=5e-6, critic_warmup=20, export_every=100, engine_rules="decode",
+                        engine_span="job")
     config.mesh = distributed.mesh_section(**mesh)
     config.rules = distributed.rules_section()
     config.distributed = distributed.distributed_section(num_processes=processes)

@@ -241,10 +241,13 @@ class RowShare:
 
 
 # Several processes in one job ---------------------------------------------------------
-# The RL job runs one rollout engine per process, on that process's own devices, so that
-# its background generation issues no collective; everything the processes must agree on
-# (the learner's batch, the metrics, the checkpoint) goes through `gather_objects` at the
-# same point of every process's loop.
+# The RL job runs a rollout engine per process on that process's own devices (its
+# generation then issues no collective and runs in a background thread), or one engine over
+# every process's devices that all step in lockstep from their main threads
+# (rl/engine/lockstep.py). Everything the processes must agree on (the metrics, the
+# checkpoint step, a lockstep step's requests) goes through `gather_objects` at the same
+# point of every process's loop; the learner's batch does not: each process fills the rows
+# its devices hold with its own rollouts (RowShare).
 
 
 def is_main() -> bool:

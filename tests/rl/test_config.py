@@ -72,6 +72,7 @@ def test_an_unknown_field_lists_the_valid_ones():
     (["rl.temperature=0.0"], "rl.temperature=0.0 is invalid"),
     (["rl.reward_shaping=length"], "rl.reward_shaping='length' is invalid"),
     (["rl.engine_rules=serve"], "rl.engine_rules='serve' is invalid"),
+    (["rl.engine_span=host"], "rl.engine_span='host' is invalid: expected 'process'"),
     (["rl.overlong_buffer=11"], "rl.overlong_buffer=11 exceeds task.max_new_tokens=10"),
     (["rl.replay.rows=0"], "rl.replay needs rows >= 1"),
     (["rl.num_draft=2"], "rl.num_draft=2 needs an MTP layer"),
