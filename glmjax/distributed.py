@@ -261,11 +261,21 @@ def gather_objects(obj) -> list:
     if jax.process_count() == 1:
         return [obj]
     data = np.frombuffer(pickle.dumps(obj), np.uint8)
-    sizes = multihost_utils.process_allgather(np.asarray([data.size], np.int64))[:, 0]
-    padded = np.zeros(int(sizes.max()), np.uint8)
-    padded[:data.size] = data
-    rows = multihost_utils.process_allgather(padded)
+    # one exchange of the size and the first _INLINE bytes; a second only for what is longer
+    head = np.zeros(8 + _INLINE, np.uint8)
+    head[:8] = np.frombuffer(np.int64(data.size).tobytes(), np.uint8)
+    head[8:8 + min(data.size, _INLINE)] = data[:_INLINE]
+    heads = multihost_utils.process_allgather(head)
+    sizes = [int(np.frombuffer(h[:8].tobytes(), np.int64)[0]) for h in heads]
+    rows = heads[:, 8:]
+    if max(sizes) > _INLINE:
+        rest = np.zeros(max(sizes) - _INLINE, np.uint8)
+        rest[:max(data.size - _INLINE, 0)] = data[_INLINE:]
+        rows = np.concatenate([rows, multihost_utils.process_allgather(rest)], axis=1)
     return [pickle.loads(rows[i, :n].tobytes()) for i, n in enumerate(sizes)]
+
+
+_INLINE = 2048  # bytes of each process's value sent with its size (a lockstep step's requests, usually)
 
 
 def broadcast_object(obj):

@@ -87,7 +87,11 @@ with sharding.use_mesh(mesh):
     placed = share.place(data[share.rows], mesh)
     weighted = float(jax.jit(lambda x: (x * np.arange(1, 17, dtype=np.float32)[:, None]).sum())(placed))
 
-report = {"results": {i: {"tokens": r.tokens, "log_probs": r.log_probs, "finish_reason": r.finish_reason,
+# values longer than the inline part on one process only, and short ones
+gathered = [len(x) for x in distributed.gather_objects(list(range(1000 * (process_id + 1))))]
+gathered += distributed.gather_objects(process_id)
+
+report = {"gathered": gathered, "results": {i: {"tokens": r.tokens, "log_probs": r.log_probs, "finish_reason": r.finish_reason,
                           "routes": None if r.routes is None else r.routes.tolist()} for i, r in results.items()},
           "served": served, "rows": share.rows.tolist(), "disjoint": share.disjoint, "weighted": weighted,
           "syncs": driver.syncs, "in_flight": len(driver._mirrors)}

@@ -2,7 +2,8 @@
 submits its own requests, from its main thread and from another, and the tokens, log-probs
 and routes are those of the same requests on one process of 8 devices; a cancellation on
 one process ends that request on both; work that blocks on process 0 alone is served while
-process 1 keeps in step; and each process places only its own rows of a learner batch."""
+process 1 keeps in step; each process places only its own rows of a learner batch; and
+`distributed.gather_objects` returns values longer and shorter than its inline part."""
 
 import json
 import pathlib
@@ -48,6 +49,7 @@ def test_two_processes_step_one_engine_as_one_process_does(tmp_path):
         np.testing.assert_allclose(r["log_probs"], expected["log_probs"], atol=1e-5)
         assert r["routes"] == expected["routes"], i
     assert two[0]["syncs"] == two[1]["syncs"]  # every step on both
+    assert two[0]["gathered"] == two[1]["gathered"] == [1000, 2000, 0, 1] and one["gathered"] == [1000, 0]
     assert two[0]["in_flight"] == two[1]["in_flight"] == 0
     assert two[0]["served"] == one["served"] and len(two[0]["served"]) == 2 and two[1]["served"] is None
     # the learner's rows: each process holds half, disjoint, and the placed batch is the whole one
