@@ -37,7 +37,7 @@ from rl import rollout as ro
 from rl import sao
 from rl.engine.driver import Driver, Handle, Request
 from rl.engine.groups import DOWN as GROUP_DOWN
-from rl.engine.lockstep import LockstepDriver
+from rl.engine.lockstep import Lockstep
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +232,7 @@ def drive(driver: Driver, rollouts, workers: int = 4, max_active: int | None = N
     steps while any model turn is queued or decoding, environment work runs in a pool. A
     rollout whose environment raises ends without a reward (`finish_reason="env_error"`).
     `rollouts` may be any iterable; with `max_active`, at most that many are in flight and
-    the next starts as soon as one ends. With a LockstepDriver (rl/engine/lockstep.py) every
+    the next starts as soon as one ends. With a Lockstep driver (rl/engine/lockstep.py) every
     process calls drive with its own rollouts, and each returns once all are done."""
     waiting = {}  # driver handle or pool future -> rollout
     pending = iter(rollouts)
@@ -265,7 +265,7 @@ def drive(driver: Driver, rollouts, workers: int = 4, max_active: int | None = N
         else:
             end(r, pool)
 
-    lockstep = isinstance(driver, LockstepDriver)  # every process steps until all are done
+    lockstep = isinstance(driver, Lockstep)  # every process steps until all are done
     with concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="glmjax-env") as pool:
         refill(pool)
         while waiting or lockstep:

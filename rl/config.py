@@ -290,7 +290,9 @@ class RLConfig:
     engine_span: str = "process"
     # engines over blocks of the learner's devices, each over rl.engine_mesh, behind one router
     # (rl/engine/groups.py); a group that stops, or holds requests without a step for
-    # engine_stall_seconds, has its rollouts in flight dropped and is rebuilt
+    # engine_stall_seconds, has its rollouts in flight dropped and is rebuilt. Blocks that span
+    # processes are stepped by every process in lockstep (rl/engine/lockstep.py): there a group
+    # whose step raises is rebuilt, and stalls are not watched
     engine_groups: int = 1
     engine_stall_seconds: float = 120.0
     # Training-inference mismatch on MoE routing (rl/learner.py): "measure" has the engine record
@@ -506,7 +508,7 @@ class JobConfig:
                              f"{processes * rl.group_size}")
         if processes != 1 and rl.replay.enabled:
             raise ValueError("rl.replay runs in one process: set rl.replay.enabled=False for a multi-process job")
-        if rl.engine_mesh and processes != 1:
+        if rl.engine_mesh and processes != 1 and rl.engine_groups == 1:
             raise ValueError(f"rl.engine_mesh={rl.engine_mesh!r} puts the engine on devices of its own in one "
                              f"process; with distributed.num_processes={processes} each process runs an engine "
                              f"on its share of the learner's devices: leave rl.engine_mesh empty")

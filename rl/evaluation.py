@@ -84,7 +84,7 @@ def matrix(job, engine: GlmEngine, heldout, workdir: str, driver: Driver | None 
     """The evaluation matrix (envs/evaluate.py, as `glmjax-envs eval` runs it) on the final
     weights through the engine client, the held-out tasks as its terminal category:
     pass@k with bootstrap intervals, sampled at the RL temperature. Written to
-    workdir/eval_matrix.json. `driver`: one already served (a LockstepDriver's `serve_while`),
+    workdir/eval_matrix.json. `driver`: one already served (a Lockstep's `serve_while`),
     else a Driver of the engine's in a thread of its own."""
     e, m = job.env, job.eval
     own = driver is None

@@ -60,9 +60,9 @@ from rl.collector import Collector
 from rl.compaction import Compaction
 from rl.config import JobConfig
 from rl.engine.engine import GlmEngine
-from rl.engine.groups import EngineGroups
+from rl.engine.groups import EngineGroups, build_engines
 from rl.engine.groups import describe as describe_groups
-from rl.engine.lockstep import LockstepDriver, driver_for
+from rl.engine.lockstep import Lockstep, driver_for
 from rl.engine.weights import WeightStore
 from rl.evaluation import evaluate_tasks, matrix
 from rl.export import export
@@ -170,13 +170,13 @@ class Loop:
         if self.critic is not None and mesh is not None:  # its head, made on one device, joins the mesh
             self.critic = sharding.shard_model(self.critic, mesh)
         self.groups = _engine_groups(job, self.policy, mesh) if rl.engine_groups > 1 else None
-        if self.groups is not None:  # the groups' router serves the rollouts; group 0's engine the evaluations
+        if self.groups is not None:  # the groups serve the rollouts; group 0's engine the evaluations
             self.engine, self.store, self.driver = self.groups.engine, self.groups.store, self.groups
         else:
             self.engine = _engine(job, self.policy, mesh)
             self.store = self.engine.weights
-            self.driver = driver_for(self.engine)  # a LockstepDriver when the engine spans processes
-        self.lockstep = isinstance(self.driver, LockstepDriver)
+            self.driver = driver_for(self.engine)  # a Lockstep when the engine spans processes
+        self.lockstep = isinstance(self.driver, Lockstep)
         self._held = None  # lockstep: this process's batch share, taken while the others complete theirs
         # an engine that decodes from copies leaves the policy's arrays to the learner alone
         self.learner = Learner(self.policy, self.critic, rl, mesh=mesh,
@@ -443,7 +443,7 @@ class Loop:
             if self.lockstep:
                 work = (lambda d: matrix(job, self.engine, self.heldout, self.workdir, d)) if distributed.is_main() \
                     else (lambda d: None)
-                driver = LockstepDriver(self.engine)
+                driver = Lockstep([self.engine])
                 report = driver.serve_while(lambda: work(driver))
             else:
                 report = matrix(job, self.engine, self.heldout, self.workdir) if distributed.is_main() else None
@@ -512,20 +512,21 @@ def _engine(job: JobConfig, policy, mesh) -> GlmEngine:
                      rules=rules, num_draft=drafts, record_routes=record)
 
 
-def _engine_groups(job: JobConfig, policy, mesh) -> EngineGroups:
+def _engine_groups(job: JobConfig, policy, mesh) -> EngineGroups | Lockstep:
     """`rl.engine_groups` engines over blocks of the learner's devices (rl/engine/groups.py),
-    in the layout `rl.engine_rules` names, each over `rl.engine_mesh`."""
+    in the layout `rl.engine_rules` names, each over `rl.engine_mesh`: behind a Router with a
+    watchdog in one process, stepped by every process together when the blocks span
+    processes (rl/engine/lockstep.py)."""
     rl = job.rl
-    if jax.process_count() > 1:
-        raise ValueError(f"rl.engine_groups={rl.engine_groups} runs in one process; this job has "
-                         f"{jax.process_count()}: use rl.engine_groups=1 (one engine per process)")
     if mesh is None:
         raise ValueError(f"rl.engine_groups={rl.engine_groups} splits the learner's devices: give config.mesh")
     rules = ENGINE_RULES[rl.engine_rules] or sharding.current_rules()
-    return EngineGroups.build(policy, mesh, rl.engine_groups, sharding.parse_axes(rl.engine_mesh), rules,
-                              stall_seconds=rl.engine_stall_seconds, max_concurrent_decodes=rl.slots,
-                              max_len=job.task.max_len + rl.num_draft, num_draft=rl.num_draft,
-                              record_routes=rl.routing_replay != "off")
+    engines, store = build_engines(policy, mesh, rl.engine_groups, sharding.parse_axes(rl.engine_mesh), rules,
+                                   max_concurrent_decodes=rl.slots, max_len=job.task.max_len + rl.num_draft,
+                                   num_draft=rl.num_draft, record_routes=rl.routing_replay != "off")
+    if any(e.mesh.is_multi_process for e in engines):
+        return Lockstep(engines, store=store)
+    return EngineGroups(engines, store, stall_seconds=rl.engine_stall_seconds)
 
 
 def engine_mesh(job: JobConfig, mesh):
@@ -562,8 +563,11 @@ def _engine_devices(job: JobConfig) -> dict[str, int]:
 def _describe_placement(job: JobConfig, engine: GlmEngine, mesh, groups=None) -> None:
     """Where policy, critic and engine run, when that is more than one device."""
     if groups is not None:
-        say(f"policy and critic on {distributed.describe(mesh)}; {describe_groups(groups)} in the "
-            f"{job.rl.engine_rules} layout")
+        where, how = distributed.describe(mesh), ""
+        if jax.process_count() > 1:
+            where = f"{where} over {jax.process_count()} processes"
+            how = ", every process stepping them in lockstep" if isinstance(groups, Lockstep) else ""
+        say(f"policy and critic on {where}; {describe_groups(groups)}{how} in the {job.rl.engine_rules} layout")
         return
     disjoint = bool(job.rl.engine_mesh)
     if mesh is None and not disjoint:

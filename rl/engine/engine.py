@@ -372,7 +372,8 @@ class GlmEngine(_Engine):
         if self._replicate_fn is None:
             self._replicate_fn = jax.jit(lambda t: t, out_shardings=sharding.NamedSharding(self._mesh,
                                                                                          sharding.PartitionSpec()))
-        return jax.device_get(self._replicate_fn(tree))
+        with self._on_mesh():
+            return jax.device_get(self._replicate_fn(tree))
 
     def _prefix_shardings(self, prefix: Prefix) -> Prefix:
         """A Prefix of n rows laid out as n slots of the decode state."""

@@ -63,6 +63,21 @@ def group_meshes(mesh, count: int, sizes: dict[str, int]) -> list:
     return [sharding.make_mesh(**sizes, devices=list(np.take(grid, g, axis=1).flat)) for g in range(count)]
 
 
+def build_engines(policy, mesh, count: int, sizes: dict[str, int], rules,
+                  **engine_kwargs) -> tuple[list[GlmEngine], GroupStore]:
+    """`count` engines of `policy` (whose state is on `mesh`), each over its block
+    (`group_meshes`) in `rules`, and the store that publishes to all of them;
+    engine_kwargs go to every GlmEngine. Behind a Router in one process (EngineGroups), or
+    stepped by every process when the blocks span processes (rl/engine/lockstep.py)."""
+    state = nnx.state(policy)
+    meshes = group_meshes(mesh, count, sizes)
+    shardings = [sharding.param_shardings(state, m, rules) for m in meshes]
+    stores = [WeightStore(part, shardings=s) for part, s in zip(reshard_to_groups(state, shardings), shardings)]
+    engines = [GlmEngine(policy, weights=store, mesh=m, rules=rules, **engine_kwargs)
+               for store, m in zip(stores, meshes)]
+    return engines, GroupStore(stores)
+
+
 class GroupStore:
     """The WeightStore interface over every group's store: `publish` reshards the learner's
     state into all groups at once (rl/engine/weights.py: reshard_to_groups)."""
@@ -113,13 +128,8 @@ class EngineGroups:
               **engine_kwargs) -> EngineGroups:
         """`count` engines of `policy` (whose state is on `mesh`), each over its block
         (`group_meshes`) in `rules`; engine_kwargs go to every GlmEngine."""
-        state = nnx.state(policy)
-        meshes = group_meshes(mesh, count, sizes)
-        shardings = [sharding.param_shardings(state, m, rules) for m in meshes]
-        stores = [WeightStore(part, shardings=s) for part, s in zip(reshard_to_groups(state, shardings), shardings)]
-        engines = [GlmEngine(policy, weights=store, mesh=m, rules=rules, **engine_kwargs)
-                   for store, m in zip(stores, meshes)]
-        return cls(engines, GroupStore(stores), stall_seconds=stall_seconds)
+        engines, store = build_engines(policy, mesh, count, sizes, rules, **engine_kwargs)
+        return cls(engines, store, stall_seconds=stall_seconds)
 
     # The Driver's interface ------------------------------------------------------------
     @property
@@ -245,8 +255,9 @@ class EngineGroups:
             handle._finish(Result([], [], [], "error", len(handle.request.prompt), error=error))
 
 
-def describe(groups: EngineGroups) -> str:
-    """"2 engine groups of expert=2, tensor=2 (devices 0,1,4,5 | 2,3,6,7)": where they run."""
+def describe(groups) -> str:
+    """"2 engine groups of expert=2, tensor=2 (devices 0,1,4,5 | 2,3,6,7)": where the groups
+    (EngineGroups, or a Lockstep over several processes) run."""
     mesh = groups.engines[0].mesh
     axes = ", ".join(f"{a}={n}" for a, n in mesh.shape.items() if n > 1) or "one device"
     blocks = " | ".join(",".join(str(d.id) for d in e.mesh.devices.flat) for e in groups.engines)

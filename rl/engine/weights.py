@@ -182,9 +182,10 @@ def reshard_to_groups(state: Any, shardings: list[Any]) -> list[Any]:
     parts = treedef.flatten_up_to(out)
     placed = []
     for group in shardings:
-        def own(x, s):  # the shards on this group's devices, as an array of its mesh
+        def own(x, s):  # the shards on this group's devices (this process's of them), as an array of its mesh
             mine = {shard.device: shard.data for shard in x.addressable_shards}
-            return jax.make_array_from_single_device_arrays(x.shape, s, [mine[d] for d in s.mesh.devices.flat])
+            return jax.make_array_from_single_device_arrays(x.shape, s, [mine[d] for d in s.mesh.devices.flat
+                                                                         if d in mine])
         placed.append(treedef.unflatten([jax.tree.map(lambda x, s=s: own(x, s), part)
                                          for s, part in zip(jax.tree.leaves(group), parts)]))
     return placed

@@ -8,6 +8,8 @@ import pathlib
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 
 import jax
 
@@ -52,10 +54,11 @@ def test_two_processes_match_one(tmp_path):
 MESH = ["--config.mesh.fsdp=4", "--config.mesh.expert=2"]
 
 
-def _job(workdir, num_processes: int, *extra) -> list[subprocess.CompletedProcess]:
+def _job(workdir, num_processes: int, *extra, code: str | None = None) -> list[subprocess.CompletedProcess]:
     """`glmjax-train` on the tiny main job (tests/rl/test_trainer.py's SMALL size, two layers,
     3 steps) over 8 CPU devices: one process of 8, or `num_processes` of 8 / num_processes
-    each talking gloo through a coordinator on this machine. Every launch compiles: a
+    each talking gloo through a coordinator on this machine (`code`: the program each runs
+    in place of the console script's, with the same arguments). Every launch compiles: a
     second process cannot read the first one's compile cache (XLA:CPU's compile options
     name the process)."""
     from tests.rl.test_trainer import REPO, _cmd, _env
@@ -63,19 +66,25 @@ def _job(workdir, num_processes: int, *extra) -> list[subprocess.CompletedProces
     port, env = str(_free_port()), _env()
     env["XLA_FLAGS"] = " ".join([f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f]
                                 + [f"--xla_force_host_platform_device_count={8 // num_processes}"])
-    procs = [subprocess.Popen(_cmd(workdir, *MESH, "--config.rl.steps=3", *extra,
-                                   f"--config.distributed.num_processes={num_processes}",
-                                   f"--config.distributed.process_id={i}",
-                                   f"--config.distributed.coordinator=127.0.0.1:{port}"),
-                              env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(num_processes)]
-    done = []
-    for p in procs:
+    cmds = [_cmd(workdir, *MESH, "--config.rl.steps=3", *extra, f"--config.distributed.num_processes={num_processes}",
+                 f"--config.distributed.process_id={i}", f"--config.distributed.coordinator=127.0.0.1:{port}")
+            for i in range(num_processes)]
+    if code is not None:
+        cmds = [[cmd[0], "-c", code, *cmd[3:]] for cmd in cmds]
+    # output to files: a process blocked on a full pipe would hold the others in a collective
+    logs = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in cmds]
+    procs = [subprocess.Popen(cmd, env=env, cwd=REPO, stdout=out, stderr=err, text=True)
+             for cmd, (out, err) in zip(cmds, logs)]
+    deadline, done = time.time() + 600, []
+    for p, (out, err) in zip(procs, logs):
         try:
-            out, err = p.communicate(timeout=600)  # a hang fails here
+            p.wait(timeout=max(deadline - time.time(), 1))  # a hang fails here
         finally:
-            p.kill()
-        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
+            for q in procs:
+                if q.returncode is None and time.time() > deadline:
+                    q.kill()
+        out.seek(0), err.seek(0)
+        done.append(subprocess.CompletedProcess(p.args, p.returncode, out.read(), err.read()))
     for d in done:
         assert d.returncode == 0, d.stderr[-3000:]
     return done

@@ -47,6 +47,31 @@ cli.main(sys.argv[1:])
 """
 
 
+# Two processes: group 1's step raises on both (as a program's error does) once it holds rollouts
+FAILING_GROUP = """
+import sys
+from rl import cli, trainer
+
+build = trainer._engine_groups
+
+def failing(*args, **kw):
+    groups = build(*args, **kw)
+    driver, failed = groups.drivers[1], []
+    step = driver.step
+    def once():
+        if not failed and groups.store.version >= 1 and driver.active:
+            failed.append(driver.active)
+            print(f"group 1 fails holding {driver.active} requests", flush=True)
+            raise RuntimeError("injected failure of engine group 1")
+        return step()
+    driver.step = once
+    return groups
+
+trainer._engine_groups = failing
+cli.main(sys.argv[1:])
+"""
+
+
 def test_group_meshes_interleave_along_the_first_engine_axis():
     mesh = glmjax.make_mesh(fsdp=8)
     meshes = group_meshes(mesh, 2, {"expert": 2, "tensor": 2})
@@ -132,3 +157,27 @@ def test_a_stalled_group_is_rebuilt_and_the_others_serve_on():
     finally:
         release.set()
         groups.stop()
+
+
+def test_two_processes_step_two_groups_that_span_both_and_a_failed_group_drops_only_its_rollouts(tmp_path):
+    """2 processes of 4 devices, 2 engine groups of 4 devices, each group over devices of
+    both processes (stepped in lockstep, rl/engine/lockstep.py): both groups take requests
+    and keep slots busy; group 1's step fails once it holds rollouts, those rollouts are
+    dropped and counted on every process alike, the group is rebuilt, and the run completes."""
+    from tests.glmjax.test_multihost import _base, _job
+
+    _base(tmp_path)
+    first, _ = _job(tmp_path, 2, "--config.rl.engine_groups=2", "--config.rl.engine_mesh=expert=2,tensor=2",
+                    "--config.rl.engine_rules=decode", "--config.rl.steps=4", "--config.rl.batch_size=16",
+                    "--config.rl.slots=8", code=FAILING_GROUP)
+    # a process's CPU devices are numbered from 2048 x its index: each group holds two of each process's
+    assert ("over 2 processes; 2 engine groups of expert=2, tensor=2 (devices 0,1,2048,2049 | 2,3,2050,2051), "
+            "every process stepping them in lockstep") in first.stdout, first.stdout[-2000:]
+    held = int(first.stdout.split("group 1 fails holding ")[1].split()[0])
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    groups = summary["engine_groups"]
+    assert summary["processes"] == 2 and summary["steps"] == 4 and summary["rollouts"] == 64
+    assert groups["failures"] == {"error": 1}
+    assert held <= groups["dropped_in_flight"] == summary["dropped"]["engine_group_failed"] <= held + 8
+    assert sum(summary["dropped"].values()) == groups["dropped_in_flight"]  # nothing else was lost
+    assert all(n > 0 for n in groups["requests"]) and all(u > 0 for u in groups["slot_utilisation"])

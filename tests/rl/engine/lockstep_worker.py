@@ -1,5 +1,5 @@
 """One process of the lockstep test: a GlmEngine over fsdp=4 x expert=2 of 8 CPU devices,
-which spans both processes when there are two, driven by a LockstepDriver.
+which spans both processes when there are two, driven by a Lockstep driver.
 
     python tests/rl/engine/lockstep_worker.py PROCESS_ID NUM_PROCESSES PORT OUT_PREFIX
 
@@ -34,7 +34,7 @@ import glmjax  # noqa: E402
 from glmjax import sharding  # noqa: E402
 from rl.engine.driver import Request  # noqa: E402
 from rl.engine.engine import GlmEngine  # noqa: E402
-from rl.engine.lockstep import LockstepDriver, driver_for  # noqa: E402
+from rl.engine.lockstep import Lockstep, driver_for  # noqa: E402
 from rl.engine.weights import WeightStore  # noqa: E402
 from tests.glmjax.test_sharding import CONFIG as FOUR_LAYERS  # noqa: E402
 
@@ -49,9 +49,9 @@ with sharding.use_mesh(mesh):
     engine = GlmEngine(model, weights=store, max_concurrent_decodes=4, max_len=64, mesh=mesh,
                        rules=sharding.DECODE_RULES, record_routes=True)
     driver = driver_for(engine)
-    assert isinstance(driver, LockstepDriver) == (num_processes > 1)
+    assert isinstance(driver, Lockstep) == (num_processes > 1)
     if num_processes == 1:  # the reference: one process of 8 devices, the same driver
-        driver = LockstepDriver(engine)
+        driver = Lockstep([engine])
     rng = np.random.default_rng(0)
     requests = [Request(rng.integers(1, CONFIG.vocab_size, 3 + 2 * i).tolist(), 40 if i == CANCELLED else 6 + i,
                         temperature=1.0, seed=i, session_id=f"s{i}") for i in range(REQUESTS)]
