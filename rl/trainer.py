@@ -40,6 +40,7 @@ import json
 import logging
 import math
 import os
+import pickle
 import time
 
 import jax
@@ -206,6 +207,7 @@ class Loop:
         self.shared = {"env_seconds": 0.0, "rollout_seconds": 0.0, "dropped": collections.Counter(), "turns": [],
                        "rerendered": []}
         self.drafted = (0, 0)  # the driver's accepted drafts and busy slot-steps at the last learner step
+        self.sent_bytes = []  # per learner step: what this process sent the others of its rollouts
 
     # Setup --------------------------------------------------------------------------------
     def _critic_trunk(self):
@@ -286,6 +288,7 @@ class Loop:
             self.driver.resume()
         whole = self.processes > 1 and self.row_share is None
         self.shared = _gathered(self.collector, local, whole)
+        self.sent_bytes.append(self.shared["sent_bytes"])
         return self.shared["batch"] if whole else sorted(local, key=lambda tr: (tr.rollout_id, tr.segment_index))
 
     def learn(self, batch: list) -> dict:
@@ -424,7 +427,9 @@ class Loop:
                    "resumed_from_step": self.resumed["step"] if self.resumed else None, "processes": self.processes,
                    # the learner's rows each process filled from its own rollouts (None: every process had them all)
                    "learner_rows_per_process": None if self.row_share is None else len(self.row_share.rows),
-                   "learner_rows": self.row_share.total if self.row_share is not None else None}
+                   "learner_rows": self.row_share.total if self.row_share is not None else None,
+                   # bytes of its rollouts (their summaries, or themselves) process 0 sent the others per step
+                   "rollout_bytes_sent_per_step": float(np.mean(self.sent_bytes)) if self.sent_bytes else 0.0}
         if self.groups is not None:  # how the router spread the rollouts, and what failed
             summary["engine_groups"] = self.groups.utilisation()
         if self.engine.num_draft:  # over this process's training rollouts
@@ -603,10 +608,12 @@ def _gathered(collector: Collector, local: list, whole: bool = False) -> dict:
     done = [r for _, r in collector.drain_finished() if hasattr(r, "turns")]
     finished = [(r.turns, r.info.get("rerendered")) for r in done]
     sent = local if whole else [ro.Seen.of(tr) for tr in local]
+    sent_bytes = len(pickle.dumps(sent)) if jax.process_count() > 1 else 0
     parts = distributed.gather_objects((sent, finished, collector.env_seconds, collector.rollout_seconds,
                                         dict(collector.dropped)))
     order = sorted((tr for p in parts for tr in p[0]), key=lambda tr: (tr.rollout_id, tr.segment_index))
     return {"seen": [ro.Seen.of(tr) for tr in order] if whole else order, "batch": order if whole else None,
+            "sent_bytes": sent_bytes,
             "turns": [t for p in parts for t, _ in p[1]],
             "rerendered": [n for p in parts for _, n in p[1] if n is not None], "env_seconds": sum(p[2] for p in parts),
             "rollout_seconds": sum(p[3] for p in parts),

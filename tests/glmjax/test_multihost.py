@@ -150,6 +150,8 @@ def test_two_processes_run_the_sao_job_as_one(tmp_path):
         summary = json.loads((workdir / "summary.json").read_text())
         assert summary["processes"] == 2 and summary["steps"] == 3 and summary["rollouts"] == 24
         assert summary["learner_rows_per_process"] == 4 and summary["learner_rows"] == 8
+        # each step sends the other process a summary of 4 rollouts, not the rollouts
+        assert 0 < summary["rollout_bytes_sent_per_step"] < 4 * 200, summary["rollout_bytes_sent_per_step"]
 
     first, _ = _job(two, 2, "--config.rl.steps=5", "--config.rl.eta=1", "--config.rl.engine_span=job")
     assert "resumed from step 3" in first.stdout, first.stdout[-2000:]

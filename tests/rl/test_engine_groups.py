@@ -164,9 +164,8 @@ def test_two_processes_step_two_groups_that_span_both_and_a_failed_group_drops_o
     both processes (stepped in lockstep, rl/engine/lockstep.py): both groups take requests
     and keep slots busy; group 1's step fails once it holds rollouts, those rollouts are
     dropped and counted on every process alike, the group is rebuilt, and the run completes."""
-    from tests.glmjax.test_multihost import _base, _job
+    from tests.glmjax.test_multihost import _job
 
-    _base(tmp_path)
     first, _ = _job(tmp_path, 2, "--config.rl.engine_groups=2", "--config.rl.engine_mesh=expert=2,tensor=2",
                     "--config.rl.engine_rules=decode", "--config.rl.steps=4", "--config.rl.batch_size=16",
                     "--config.rl.slots=8", code=FAILING_GROUP)
