@@ -8,9 +8,9 @@ publish: rl/engine/weights.py), read from its optimized HLO (`compiled.as_text()
   all-reduce          operand x 2 (n - 1) / n   (a ring: reduce-scatter, then all-gather)
 
 n is the size of the instruction's replica groups (listed, iota or mesh form). XLA:TPU
-lowers a gather into a replicated layout as an all-reduce of a zero-padded buffer (even
-`lax.all_gather` in shard_map), which this counts as the all-reduce it is: twice an
-all-gather's bytes. Asynchronous pairs count once (their
+lowers a gather over every chip of a v5p slice as an all-reduce of a zero-padded buffer
+(even `lax.all_gather` in shard_map), which this counts as the all-reduce it is: twice an
+all-gather's bytes (the publish gathers one mesh axis at a time, which stay all-gathers). Asynchronous pairs count once (their
 "-start"). Every computation the program holds is counted once: a program with loops
 needs rl/hlo_flops.py's trip counts, which this does not apply.
 """

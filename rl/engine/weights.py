@@ -9,8 +9,9 @@ reshards each new state into them inside XLA, never through the host:
 
   1. a jitted copy (`reshard_program`) moves the arrays into the engine's split on the
      learner's own devices: through a split that gives each device a distinct piece of its
-     target block (an all-to-all), then an all-gather of the rest of the block, because
-     XLA's direct reshard between unrelated splits gathers whole tensors and slices them;
+     target block (an all-to-all), then all-gathers of the rest of the block, one mesh axis
+     at a time, because XLA's direct reshard between unrelated splits gathers whole tensors
+     and slices them;
   2. when the engine's devices are others (a disjoint subset, as many as the learner's),
      `jax.device_put` copies each shard to the engine device of the same position, shard
      for shard, device to device;
@@ -106,24 +107,34 @@ def _repeated(blocks: list[Mesh], target: NamedSharding, order: list | None = No
     return NamedSharding(Mesh(devices, names), target.spec, memory_kind=target.memory_kind)
 
 
-def _refined(view: NamedSharding, source: jax.Array) -> NamedSharding:
-    """`view` (a group-repeated split) with every mesh axis it leaves replicated ("group"
-    first) added to a dimension it divides, the one `source` is split along most first:
-    each device then holds a distinct piece of its own target block. Reaching this from the
-    learner's split is an all-to-all, and `view` from it an all-gather of the rest of the
-    block; XLA's direct reshard would gather whole tensors and slice them."""
+def _refined(view: NamedSharding, source: jax.Array) -> list[NamedSharding]:
+    """The splits from `source`'s to `view` (a group-repeated split): first `view` with
+    every mesh axis it leaves replicated ("group" first) added to a dimension it divides,
+    the one `source` is split along most first, so that each device holds a distinct piece
+    of its own target block. Reaching it from the learner's split is an all-to-all; XLA's
+    direct reshard would gather whole tensors and slice them. Then those axes dropped one
+    at a time, the last added first: each an all-gather over one mesh axis. (XLA:TPU turns
+    one gather over a group of every chip of a v5p slice into an all-reduce of a
+    zero-padded buffer, which moves twice the bytes; over one axis of 64 chips it stays an
+    all-gather.)"""
     mesh, shape = view.mesh, source.shape
     spec = [() if s is None else (s,) if isinstance(s, str) else tuple(s)
             for s in list(view.spec) + [None] * (len(shape) - len(view.spec))]
     held = source.sharding.shard_shape(shape)
     order = sorted(range(len(shape)), key=lambda i: held[i] / max(shape[i], 1))  # most split first
-    used = {a for s in spec for a in s}
+    used, added = {a for s in spec for a in s}, []
     for axis in [a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1]:
         for i in order:
             if shape[i] % (math.prod(mesh.shape[a] for a in spec[i]) * mesh.shape[axis]) == 0:
                 spec[i] = spec[i] + (axis,)
+                added.append(i)
                 break
-    return NamedSharding(mesh, PartitionSpec(*[s or None for s in spec]), memory_kind=view.memory_kind)
+    splits = []
+    for i in [None] + added[::-1]:
+        if i is not None:
+            spec[i] = spec[i][:-1]  # the dimension's minor-most axis: a plain all-gather
+        splits.append(NamedSharding(mesh, PartitionSpec(*[s or None for s in spec]), memory_kind=view.memory_kind))
+    return splits[:-1]  # the last is `view` itself: the program's output
 
 
 _PROGRAMS: dict = {}  # reshard_program's, by the state's structure and layout and the target's
@@ -132,7 +143,8 @@ _PROGRAMS: dict = {}  # reshard_program's, by the state's structure and layout a
 def reshard_program(state: Any, views: Any):
     """The jitted copy of `state` (arrays, or ShapeDtypeStructs with shardings) into `views`
     (a pytree of NamedSharding on the same devices, a prefix of the state's), through each
-    leaf's `_refined` split: an all-to-all, then an all-gather of the rest of each block.
+    leaf's `_refined` splits: an all-to-all, then all-gathers of the rest of each block,
+    one mesh axis at a time.
     Built once per layout: every publish runs the same compiled program."""
     key = (jax.tree.structure(state), tuple((x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(state)),
            jax.tree.structure(views), tuple(jax.tree.leaves(views)))
@@ -143,9 +155,17 @@ def reshard_program(state: Any, views: Any):
 
 def _build_program(state: Any, views: Any):
     treedef = jax.tree.structure(views)  # a prefix of the state's: a Variable holds each array
-    pieces = treedef.unflatten([jax.tree.map(lambda x, v=v: _refined(v, x), part)
-                                for v, part in zip(jax.tree.leaves(views), treedef.flatten_up_to(state))])
-    return jax.jit(lambda tree: jax.lax.with_sharding_constraint(tree, pieces), out_shardings=views)
+    chains = [_refined(v, x) for v, part in zip(jax.tree.leaves(views), treedef.flatten_up_to(state))
+              for x in jax.tree.leaves(part)]  # in the order of the state's leaves
+
+    def move(tree):
+        leaves, structure = jax.tree.flatten(tree)
+        for k, chain in enumerate(chains):
+            for split in chain:
+                leaves[k] = jax.lax.with_sharding_constraint(leaves[k], split)
+        return structure.unflatten(leaves)
+
+    return jax.jit(move, out_shardings=views)
 
 
 def _group_views(state: Any, shardings: list[Any]):
