@@ -57,9 +57,9 @@ def _release_executables():
 # to the xdist workers in collection order (--dist loadfile --no-loadscope-reorder), so
 # these start first and the short files fill the gaps: no long file is left to run alone
 # at the end while the other worker idles.
-SLOWEST_FIRST = ("test_trainer.py", "test_multihost.py", "test_engine_groups.py", "test_train.py", "test_opd.py", "test_notebook.py",
-                 "test_engine_spec.py", "test_learner.py", "test_model.py", "test_kernels.py", "test_episode.py",
-                 "test_sharding.py", "test_engine_mesh.py", "test_engine.py", "test_sorting_job.py")
+SLOWEST_FIRST = ("test_trainer.py", "test_multihost.py", "test_engine_groups.py", "test_train.py", "test_opd.py",
+                 "test_notebook.py", "test_engine_spec.py", "test_learner.py", "test_model.py", "test_kernels.py",
+                 "test_episode.py", "test_sharding.py", "test_engine_mesh.py", "test_engine.py", "test_sorting_job.py")
 
 
 def pytest_collection_modifyitems(items):
