@@ -434,9 +434,16 @@ def publish_program(job, layout: Layout) -> tuple[Program, int, int]:
     devices = list(layout.mesh.devices.flat)
     target = sharding.param_shardings(state, layout.engine_mesh, layout.engine_rules)
     staged = jax.tree.map(lambda t: _on_devices(t, devices), target)
-    program = reshard_program(state, staged)
     share = per_device_bytes(_abstract(state, target))
-    return Program("publish", lambda: program.lower(state), per_device_bytes(state), collectives=True), persistent, share
+    # an engine over every process's devices is stepped by the publisher's thread: the copy goes into
+    # the previous one's buffers (rl/trainer.py: _engine), which the program takes as an argument
+    if job.rl.engine_span == "job" and jax.tree.leaves(staged) == jax.tree.leaves(target):
+        program, previous = reshard_program(state, staged, donate=True), _abstract(state, target)
+        lower = lambda: program.lower(state, previous)  # noqa: E731
+    else:
+        program = reshard_program(state, staged)
+        lower = lambda: program.lower(state)  # noqa: E731
+    return Program("publish", lower, per_device_bytes(state), collectives=True), persistent, share
 
 
 def _publish_role(job, layout, args):

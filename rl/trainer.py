@@ -512,7 +512,10 @@ def _engine(job: JobConfig, policy, mesh) -> GlmEngine:
     # several processes: each its own devices, or (rl.engine_span="job") every device of the job
     where = own if own is not None else mesh if rl.engine_span == "job" else distributed.local_mesh(mesh)
     state = nnx.state(policy)
-    store = WeightStore(state, shardings=sharding.param_shardings(state, where, rules))
+    # an engine over several processes is stepped by the publisher's own thread (rl/engine/lockstep.py):
+    # each publish may take the previous copy's buffers
+    store = WeightStore(state, shardings=sharding.param_shardings(state, where, rules),
+                        donate_previous=where.is_multi_process)
     return GlmEngine(policy, weights=store, max_concurrent_decodes=rl.slots, max_len=max_len, mesh=where,
                      rules=rules, num_draft=drafts, record_routes=record)
 

@@ -140,20 +140,22 @@ def _refined(view: NamedSharding, source: jax.Array) -> list[NamedSharding]:
 _PROGRAMS: dict = {}  # reshard_program's, by the state's structure and layout and the target's
 
 
-def reshard_program(state: Any, views: Any):
+def reshard_program(state: Any, views: Any, donate: bool = False):
     """The jitted copy of `state` (arrays, or ShapeDtypeStructs with shardings) into `views`
     (a pytree of NamedSharding on the same devices, a prefix of the state's), through each
     leaf's `_refined` splits: an all-to-all, then all-gathers of the rest of each block,
     one mesh axis at a time.
-    Built once per layout: every publish runs the same compiled program."""
+    Built once per layout: every publish runs the same compiled program. With `donate` it
+    takes a second argument, the readers' previous state in `views`, whose buffers it
+    reuses for its output: the old and the new copy are never both held."""
     key = (jax.tree.structure(state), tuple((x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(state)),
-           jax.tree.structure(views), tuple(jax.tree.leaves(views)))
+           jax.tree.structure(views), tuple(jax.tree.leaves(views)), donate)
     if key not in _PROGRAMS:
-        _PROGRAMS[key] = _build_program(state, views)
+        _PROGRAMS[key] = _build_program(state, views, donate)
     return _PROGRAMS[key]
 
 
-def _build_program(state: Any, views: Any):
+def _build_program(state: Any, views: Any, donate: bool = False):
     treedef = jax.tree.structure(views)  # a prefix of the state's: a Variable holds each array
     chains = [_refined(v, x) for v, part in zip(jax.tree.leaves(views), treedef.flatten_up_to(state))
               for x in jax.tree.leaves(part)]  # in the order of the state's leaves
@@ -165,6 +167,9 @@ def _build_program(state: Any, views: Any):
                 leaves[k] = jax.lax.with_sharding_constraint(leaves[k], split)
         return structure.unflatten(leaves)
 
+    if donate:
+        return jax.jit(lambda tree, previous: move(tree), out_shardings=views, donate_argnums=(1,),
+                       keep_unused=True)
     return jax.jit(move, out_shardings=views)
 
 
@@ -245,25 +250,32 @@ def _to_process_local(state: Any, shardings: Any) -> Any:
                               for s, part in zip(jax.tree.leaves(shardings), treedef.flatten_up_to(out))])
 
 
-def reshard(state: Any, shardings: Any) -> Any:
+def reshard(state: Any, shardings: Any, previous: Any = None) -> Any:
     """`state` copied into `shardings` (a pytree of NamedSharding matching it) device to
-    device: steps 1 to 3 of the module docstring."""
+    device: steps 1 to 3 of the module docstring. `previous`: a state in `shardings` whose
+    buffers the copy may take (it is deleted) when it is made on the same devices."""
     if (jax.process_count() > 1 and all(s.is_fully_addressable for s in jax.tree.leaves(shardings))
             and not all(x.is_fully_addressable for x in jax.tree.leaves(state))):
         return _to_process_local(state, shardings)
     devices = sorted({d for x in jax.tree.leaves(state) for d in x.devices()}, key=lambda d: d.id)
     staged = jax.tree.map(lambda s: _on_devices(s, devices), shardings)
+    same_devices = jax.tree.leaves(staged) == jax.tree.leaves(shardings)
+    if previous is not None and same_devices:
+        return reshard_program(state, staged, donate=True)(state, previous)
     out = reshard_program(state, staged)(state)
-    return out if staged == shardings else jax.device_put(out, shardings)
+    return out if same_devices else jax.device_put(out, shardings)
 
 
 class WeightStore:
-    def __init__(self, state: Any, version: int = 0, *, shardings: Any = None):
+    def __init__(self, state: Any, version: int = 0, *, shardings: Any = None, donate_previous: bool = False):
         """state: version 0. shardings: the readers' layout, a pytree of NamedSharding
         matching the state (e.g. `glmjax.sharding.param_shardings(state, engine_mesh)`);
         every state stored, version 0 included, is placed in it. None: states are stored
-        as given."""
-        self.shardings = shardings
+        as given. donate_previous: a publish that copies reuses the previous copy's buffers
+        (which are deleted), so that a device never holds both: only where no reader can be
+        in the middle of a step with them (an engine stepped from the publisher's own
+        thread, rl/engine/lockstep.py)."""
+        self.shardings, self.donate_previous = shardings, donate_previous
         self._current = Weights(self._place(state), int(version))
         self._changed = threading.Condition()
 
@@ -275,10 +287,10 @@ class WeightStore:
     def version(self) -> int:
         return self._current.version
 
-    def _place(self, state: Any) -> Any:
+    def _place(self, state: Any, previous: Any = None) -> Any:
         """`state` itself when the store has no shardings or the state already has them;
-        otherwise its copy in them."""
-        return reshard(state, self.shardings) if self.copies(state) else state
+        otherwise its copy in them (into `previous`'s buffers, when given)."""
+        return reshard(state, self.shardings, previous) if self.copies(state) else state
 
     def copies(self, state: Any) -> bool:
         """Whether publishing `state` stores a copy of it (resharded), not its arrays: then
@@ -292,7 +304,8 @@ class WeightStore:
 
         The copy is dispatched asynchronously; readers' computations wait for it on the
         devices."""
-        placed = self._place(state)
+        previous = self._current.state if self.donate_previous and self.copies(state) else None
+        placed = self._place(state, previous)
         with self._changed:
             new = self._current.version + 1 if version is None else int(version)
             if new <= self._current.version:
