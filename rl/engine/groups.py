@@ -158,10 +158,7 @@ class EngineGroups:
 
     @property
     def stats(self) -> collections.Counter:
-        total = collections.Counter(self._retired)
-        for d in self.drivers:
-            total.update(d.stats)
-        return total
+        return pooled_stats(self._retired, self.drivers)
 
     def validate(self, request: Request) -> None:
         self.drivers[0].validate(request)
@@ -206,15 +203,7 @@ class EngineGroups:
             d.resume()
 
     def utilisation(self) -> dict:
-        """Per group: rollout requests dispatched to it, decode steps, and the share of its
-        slots busy over its steps."""
-        out = {"requests": list(self.router.dispatched), "steps": [], "slot_utilisation": []}
-        for d in self.drivers:
-            steps = d.stats["steps"]
-            out["steps"].append(steps)
-            out["slot_utilisation"].append(d.stats["busy_slot_steps"] / max(steps * d.capacity, 1))
-        out.update(failures=dict(self.failures), dropped_in_flight=self.dropped_in_flight)
-        return out
+        return utilisation(self.router.dispatched, self.drivers, self.failures, self.dropped_in_flight)
 
     # Health ----------------------------------------------------------------------------
     def _watch(self) -> None:
@@ -253,6 +242,27 @@ class EngineGroups:
         error = f"{DOWN} {g} {cause}: its requests in flight are dropped and the group is rebuilt"
         for handle in pending:
             handle._finish(Result([], [], [], "error", len(handle.request.prompt), error=error))
+
+
+def pooled_stats(retired: collections.Counter, drivers: list[Driver]) -> collections.Counter:
+    """The drivers' counters summed, with those of the drivers they replaced."""
+    total = collections.Counter(retired)
+    for d in drivers:
+        total.update(d.stats)
+    return total
+
+
+def utilisation(dispatched: list[int], drivers: list[Driver], failures: collections.Counter,
+                dropped_in_flight: int) -> dict:
+    """Per group: rollout requests dispatched to it, decode steps, and the share of its
+    slots busy over its steps; the failures by cause and the requests they dropped."""
+    out = {"requests": list(dispatched), "steps": [], "slot_utilisation": []}
+    for d in drivers:
+        steps = d.stats["steps"]
+        out["steps"].append(steps)
+        out["slot_utilisation"].append(d.stats["busy_slot_steps"] / max(steps * d.capacity, 1))
+    out.update(failures=dict(failures), dropped_in_flight=dropped_in_flight)
+    return out
 
 
 def describe(groups) -> str:

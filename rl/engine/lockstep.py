@@ -48,7 +48,7 @@ import jax
 from glmjax import distributed
 from rl.engine.driver import Driver, Handle, Request, Result
 from rl.engine.engine import GlmEngine
-from rl.engine.groups import DOWN
+from rl.engine.groups import DOWN, pooled_stats, utilisation
 
 log = logging.getLogger(__name__)
 
@@ -129,10 +129,7 @@ class Lockstep:
 
     @property
     def stats(self) -> collections.Counter:
-        total = collections.Counter(self._retired)
-        for d in self.drivers:
-            total.update(d.stats)
-        return total
+        return pooled_stats(self._retired, self.drivers)
 
     def validate(self, request: Request) -> None:
         self.drivers[0].validate(request)
@@ -253,15 +250,8 @@ class Lockstep:
             handle._finish(Result([], [], [], "error", len(handle.request.prompt), error=error))
 
     def utilisation(self) -> dict:
-        """Per group: requests dispatched to it, decode steps, and the share of its slots
-        busy over its steps (rl/engine/groups.py: EngineGroups.utilisation)."""
-        out = {"requests": list(self.dispatched), "steps": [], "slot_utilisation": []}
-        for d in self.drivers:
-            steps = d.stats["steps"]
-            out["steps"].append(steps)
-            out["slot_utilisation"].append(d.stats["busy_slot_steps"] / max(steps * d.capacity, 1))
-        out.update(failures=dict(self.failures), dropped_in_flight=self.dropped_in_flight)
-        return out
+        """As EngineGroups.utilisation (rl/engine/groups.py)."""
+        return utilisation(self.dispatched, self.drivers, self.failures, self.dropped_in_flight)
 
     def serve_while(self, fn: Callable[[], Any], idle_seconds: float = 0.002) -> Any:
         """fn() in a thread of this process while this thread keeps in step with the other
