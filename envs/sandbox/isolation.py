@@ -21,6 +21,11 @@
    root verifier does, while the host's root-owned files (``/etc/shadow``,
    ``/proc/sysrq-trigger``) stay as closed as they are to any other user.
 
+An episode's agent commands skip steps 2-5: ``start_anchor`` makes the namespaces and the
+root once, in an *anchor* process that stays as init of that PID namespace, and a plan
+with ``enter`` joins them (``setns``), makes its own IPC namespace, and runs the command
+under a subreaper that kills what the command leaves behind.
+
 Everything the child needs is computed in the parent: the child of a threaded process
 should only make system calls.
 
@@ -39,6 +44,7 @@ import os
 import platform
 import re
 import resource
+import select
 import signal
 import socket
 import struct
@@ -61,7 +67,7 @@ _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x10000000, 0x20000000, 0x4000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
 _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 16384, 1 << 18
 _MNT_DETACH, _IPC_RMID = 2, 0
-_PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS = 24, 38
+_PR_CAPBSET_DROP, _PR_SET_CHILD_SUBREAPER, _PR_SET_NO_NEW_PRIVS = 24, 36, 38
 _SIOCSIFFLAGS, _IFF_UP_LOOPBACK_RUNNING = 0x8914, 0x1 | 0x8 | 0x40
 _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}
 # Docker's default capabilities for a container's root, which a verifier has inside its user namespace:
@@ -83,7 +89,9 @@ class Isolation:
     "cgroup-v2" (a quota of cores for all its processes) | "per-process" (only CPU
     seconds per process); disk "tmpfs" (a size-capped filesystem holds all its files) |
     "none"; verifier "userns-root" (root of its own user namespace, its own uid) |
-    "agent-uid" (the agent's uid and permissions)."""
+    "agent-uid" (the agent's uid and permissions); entry "episode" (an agent command
+    enters the namespaces and root made once for the episode, as ``docker exec`` does) |
+    "command" (each command makes its own)."""
 
     network: str
     filesystem: str
@@ -95,10 +103,12 @@ class Isolation:
     ipc: str = "host"
     disk: str = "none"
     verifier: str = "agent-uid"
+    entry: str = "command"
 
     def describe(self) -> str:
         text = (f"network={self.network} filesystem={self.filesystem} user={self.user} processes={self.processes} "
-                f"ipc={self.ipc} memory={self.memory} cpu={self.cpu} disk={self.disk} verifier={self.verifier}")
+                f"ipc={self.ipc} memory={self.memory} cpu={self.cpu} disk={self.disk} verifier={self.verifier} "
+                f"entry={self.entry}")
         return text + "".join(f"; {note}" for note in self.notes)
 
 
@@ -145,14 +155,19 @@ class Plan:
     def __init__(self, *, root: str, uid: int | None, network_ns: bool, chroot: bool, pid_ns: bool,
                  rlimits: list[tuple[int, int]], cwd: str, mounts: tuple[tuple[str, str, bool], ...] = (),
                  hidden: tuple[str, ...] = (), cgroup_procs: tuple[str, ...] = (), ipc_ns: bool = False,
-                 verifier_of: int | None = None):
+                 verifier_of: int | None = None, enter: int | None = None):
         """``root``: an empty directory, the new root's mount point; ``mounts``: (host
         directory, path inside, writable) binds after the system's, in order; ``hidden``:
         host paths masked where a system bind would show them; ``cgroup_procs``: the
         ``cgroup.procs`` files of the groups the command joins; ``verifier_of``: the agent's
-        uid, for a verifier command running as ``uid`` (needs ``pid_ns`` and ``chroot``)."""
+        uid, for a verifier command running as ``uid`` (needs ``pid_ns`` and ``chroot``);
+        ``enter``: the host pid of an episode's anchor (``start_anchor``), whose namespaces and
+        root the command enters in place of making its own (needs ``pid_ns`` and ``chroot``)."""
         if verifier_of is not None and not (pid_ns and chroot and uid is not None):
             raise ValueError("a verifier plan needs a uid, a PID namespace and its own root")
+        if enter is not None and not (pid_ns and chroot and verifier_of is None):
+            raise ValueError("a plan that enters an anchor's namespaces needs pid_ns and chroot, and is no verifier's")
+        self.enter = enter
         self.root, self.uid, self.network_ns, self.chroot, self.cwd = root, uid, network_ns, chroot, cwd
         self.pid_ns, self.rlimits, self.mounts, self.cgroup_procs = pid_ns, rlimits, mounts, cgroup_procs
         self.ipc_ns, self.verifier_of = ipc_ns, verifier_of
@@ -187,10 +202,48 @@ class Plan:
             raise
 
     def _prepare(self) -> None:
+        self._join_cgroups()
+        if self.enter is not None:
+            self._enter_anchor()
+        else:
+            self._make_namespaces()
+        if self.uid is not None:
+            _check(_libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
+        for which, value in self.rlimits:
+            resource.setrlimit(which, (value, value))
+        if self.verifier_of is not None:
+            self._become_verifier(*self._sync)
+        elif self.uid is not None:
+            os.setgroups([])
+            os.setgid(self.uid)
+            os.setuid(self.uid)
+        try:
+            os.chdir(self.cwd)
+        except PermissionError:  # the agent took its working directory's permissions away: it starts at /
+            os.chdir("/")
+
+    def _join_cgroups(self) -> None:
         for procs in self.cgroup_procs:  # first, so that everything the command starts is in the groups
             fd = os.open(procs, os.O_WRONLY)
             os.write(fd, str(os.getpid()).encode())
             os.close(fd)
+
+    def _enter_anchor(self) -> None:
+        """Join the anchor's network, UTS, PID and mount namespaces (its root, built once for
+        the episode), as ``docker exec`` joins a container's; then, as a command with
+        namespaces of its own would have, a new IPC namespace, and a reaper that kills what
+        the command leaves behind when it exits."""
+        fds = [os.open(f"/proc/{self.enter}/ns/{name}", os.O_RDONLY | os.O_CLOEXEC)
+               for name in ("net", "uts", "pid", "mnt")]  # all opened before the mount namespace changes
+        for fd in fds:
+            _check(_libc.setns(fd, 0), "setns")
+            os.close(fd)
+        if self.ipc_ns:
+            _check(_libc.unshare(_CLONE_NEWIPC), "unshare(CLONE_NEWIPC)")
+        _become_init(None)  # a child in the anchor's PID namespace (setns moves only the children)
+        _become_init(None, reap=True)
+
+    def _make_namespaces(self) -> None:
         flags = ((_CLONE_NEWNET if self.network_ns else 0) | (_CLONE_NEWNS if self.chroot else 0)
                  | (_CLONE_NEWPID if self.pid_ns else 0) | (_CLONE_NEWIPC | _CLONE_NEWUTS if self.ipc_ns else 0))
         if flags:
@@ -201,23 +254,37 @@ class Plan:
             _loopback_up()
         if self.chroot:
             self._build_root()
-        sync = _become_init(self.user_map if self.verifier_of is not None else None) if self.pid_ns else None
+        self._sync = _become_init(self.user_map if self.verifier_of is not None else None) if self.pid_ns else None
         if self.chroot:
             self._enter_root()
-        if self.uid is not None:
-            _check(_libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
-        for which, value in self.rlimits:
-            resource.setrlimit(which, (value, value))
-        if self.verifier_of is not None:
-            self._become_verifier(*sync)
-        elif self.uid is not None:
-            os.setgroups([])
-            os.setgid(self.uid)
-            os.setuid(self.uid)
+
+    def anchor(self, report: int, owner: int) -> None:
+        """Become an episode's anchor (run in a fork of a helper; never returns): make the
+        namespaces and the root that every command of the episode enters, then wait as
+        init of its PID namespace, reaping, until ``owner`` (the sandbox's process) exits or
+        the anchor is killed. ``report`` gets ``pid N`` (the anchor's host pid) and
+        ``ready``, or ``error ...``."""
+        owner_fd = os.pidfd_open(owner)
+        self._join_cgroups()
+        flags = _CLONE_NEWNS | _CLONE_NEWPID | (_CLONE_NEWNET if self.network_ns else 0) | (
+            _CLONE_NEWUTS if self.ipc_ns else 0)
+        _check(_libc.unshare(flags), "unshare")
+        if self.ipc_ns:
+            _check(_libc.sethostname(HOSTNAME, len(HOSTNAME)), "sethostname")
+        if self.network_ns:
+            _loopback_up()
+        self._build_root()
+        child = os.fork()
+        if child:
+            os.write(report, f"pid {child}\n".encode())
+            os._exit(0)
         try:
-            os.chdir(self.cwd)
-        except PermissionError:  # the agent took its working directory's permissions away: it starts at /
-            os.chdir("/")
+            self._enter_root()
+        except BaseException as err:
+            os.write(report, f"error {type(err).__name__}: {err}\n".encode()[:4096])
+            os._exit(1)
+        os.write(report, b"ready\n")
+        _wait_as_anchor(owner_fd)
 
     def _build_root(self) -> None:
         new = self.root
@@ -283,7 +350,7 @@ class Plan:
             _check(_libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0), f"prctl(CAPBSET_DROP, {cap})")
 
 
-def _become_init(user_map: bytes | None) -> tuple[int, int] | None:
+def _become_init(user_map: bytes | None, *, reap: bool = False) -> tuple[int, int] | None:
     """Fork after ``unshare(CLONE_NEWPID)``: the child, PID 1 of the new namespace, returns
     and goes on to exec the command; when it exits the kernel kills and reaps everything
     left in the namespace (no orphans, no zombies counted against the process limit).
@@ -291,7 +358,13 @@ def _become_init(user_map: bytes | None) -> tuple[int, int] | None:
     the child says when it has its namespace, and waits for them), then only to wait and
     pass on the exit status or signal; it closes every descriptor first, so
     ``subprocess`` sees the exec and the output's end. Returns the child's ends of the
-    two pipes (ready, go) when there is a map to write."""
+    two pipes (ready, go) when there is a map to write.
+
+    ``reap``: the parent, a child subreaper (``PR_SET_CHILD_SUBREAPER``), receives whatever
+    the child's processes leave behind, and before passing on the status kills it, until
+    nothing is left: as a PID namespace of the command's own would, within a shared one."""
+    if reap:
+        _check(_libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(CHILD_SUBREAPER)")
     pipes = (os.pipe2(os.O_CLOEXEC), os.pipe2(os.O_CLOEXEC)) if user_map else None
     host_proc = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if user_map else None
     child = os.fork()
@@ -324,12 +397,86 @@ def _become_init(user_map: bytes | None) -> tuple[int, int] | None:
             break
         except InterruptedError:
             continue
+    if reap:
+        _kill_children()
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         signal.signal(sig, signal.SIG_DFL)
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         os.kill(os.getpid(), sig)
     os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 255)
+
+
+def _kill_children() -> None:
+    """SIGKILL this process's children and reap them, until it has none (the children of a
+    killed one are reparented here, this process being their subreaper)."""
+    children = f"/proc/self/task/{os.getpid()}/children"
+    while True:
+        with open(children) as f:
+            pids = [int(p) for p in f.read().split()]
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            while os.waitpid(-1, 0 if pids else os.WNOHANG)[0]:
+                pass
+        except ChildProcessError:
+            return
+
+
+def _wait_as_anchor(owner_fd: int) -> None:
+    """Init of an episode's PID namespace: reap what is reparented here, and exit (ending the
+    namespace and everything in it) when the owner's process does."""
+    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    keep = sorted((owner_fd, wake_r, wake_w))
+    os.closerange(0, keep[0])
+    for low, high in zip(keep, keep[1:] + [resource.getrlimit(resource.RLIMIT_NOFILE)[0]]):
+        os.closerange(low + 1, high)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    while True:
+        try:
+            ready = select.select([owner_fd, wake_r], [], [])[0]
+        except InterruptedError:
+            continue
+        if owner_fd in ready:
+            os._exit(0)
+        try:
+            os.read(wake_r, 4096)
+        except BlockingIOError:
+            pass
+        while True:
+            try:
+                if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                    break
+            except ChildProcessError:
+                break
+
+
+def start_anchor(plan: Plan, owner: int) -> int:
+    """Fork an episode's anchor (``Plan.anchor``) from this process (a helper) and return its
+    host pid once its root is ready; raises OSError with the anchor's reason when it fails."""
+    read, write = os.pipe2(os.O_CLOEXEC)
+    child = os.fork()
+    if child == 0:
+        try:
+            os.close(read)
+            plan.anchor(write, owner)
+        except BaseException as err:
+            os.write(write, f"error {type(err).__name__}: {err}\n".encode()[:4096])
+        os._exit(1)
+    os.close(write)
+    chunks = []
+    while chunk := os.read(read, 4096):
+        chunks.append(chunk)
+    os.close(read)
+    os.waitpid(child, 0)
+    words = dict(line.split(" ", 1) if " " in line else (line, "") for line in b"".join(chunks).decode().splitlines())
+    if "error" in words or "ready" not in words or "pid" not in words:
+        raise OSError(f"the sandbox's namespaces could not be made: {words.get('error', 'no reply')}")
+    return int(words["pid"])
 
 
 def mount_tmpfs(path: str, size: int) -> None:

@@ -29,7 +29,7 @@ import time
 
 from envs.sandbox import isolation
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the folder that holds envs/
+_ENVS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the envs/ package's folder
 _HEADER = struct.Struct("<I")
 
 
@@ -129,7 +129,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-_HANDLERS = {"run": _run, "kill_uids": isolation.kill_uids, "probe": isolation.probe}
+_HANDLERS = {"run": _run, "kill_uids": isolation.kill_uids, "probe": isolation.probe, "anchor": isolation.start_anchor}
 
 
 def _read_exactly(f, n: int) -> bytes | None:
@@ -166,7 +166,14 @@ class HelperDied(RuntimeError):
 
 class _Helper:
     def __init__(self):
-        code = f"import sys; sys.path.insert(0, {_ROOT!r}); from envs.sandbox.launcher import serve; serve()"
+        # The packages as bare namespaces: a helper imports this file and isolation.py, never
+        # the package's __init__ files and what they pull in.
+        code = ("import sys, types\n"
+                f"for name, path in (('envs', {_ENVS!r}), ('envs.sandbox', {_ENVS + '/sandbox'!r})):\n"
+                "    sys.modules[name] = module = types.ModuleType(name)\n"
+                "    module.__path__ = [path]\n"
+                "from envs.sandbox.launcher import serve\n"
+                "serve()")
         self.proc = subprocess.Popen([sys.executable, "-S", "-c", code], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, close_fds=True, start_new_session=True)
 

@@ -28,11 +28,22 @@ What is enforced, and how (``probe()`` says which of these this machine allows;
   verifier room to write its reward. Their pages count against the memory cap as well:
   files and processes together stay under ``memory_bytes``. ``RLIMIT_FSIZE`` still caps
   each file at ``Limits.file_bytes``.
+- **One set of namespaces per episode** (``entry="episode"``, where mount and PID
+  namespaces are allowed; ``Sandbox(per_command=True)`` gives ``"command"``). The first
+  agent command makes the episode's network, UTS, mount and PID namespaces and its root
+  (below), held by an *anchor* process (init of that PID namespace, which exits with the
+  sandbox's process); every agent command then enters them with ``setns``, as ``docker
+  exec`` enters a container, in place of making and tearing down its own (a network
+  namespace alone costs milliseconds of kernel time). What each command had of its own
+  is kept: a new IPC namespace, a reaper that kills what it leaves behind (below), and
+  ``/dev/shm`` emptied after it. The verifier still makes its own namespaces (its user
+  namespace, its ``/tmp`` and ``/tests``).
 - **Processes and wall clock.** Every command runs in its own session and, where the
-  kernel allows (``processes="pidns"``), as PID 1 of its own PID namespace: when it exits
-  the kernel kills and reaps everything it left behind, so no orphan or zombie outlives
-  it or counts against the next command's process limit, and ``/proc`` shows only the
-  sandbox's processes. At the deadline every process of the sandbox's uids gets SIGKILL
+  kernel allows (``processes="pidns"``), either as PID 1 of its own PID namespace (a
+  verifier, or ``entry="command"``) or under a subreaper of its own in the episode's
+  (``entry="episode"``): when it exits everything it left behind is killed and reaped,
+  so no orphan or zombie outlives it or counts against the next command's process
+  limit, and ``/proc`` shows only the sandbox's processes. At the deadline every process of the sandbox's uids gets SIGKILL
   (``kill -9 -1`` run as that uid: it also reaches processes that left the group with
   ``setsid``); without a PID namespace (``"kill-sweep"``) the process group is killed
   too and the same sweep runs after every command. Files persist between commands;
@@ -108,6 +119,7 @@ import hashlib
 import os
 import re
 import resource
+import select
 import signal
 import stat
 import subprocess
@@ -295,11 +307,12 @@ class Sandbox:
     under ``base_dir`` (default ``$GLMJAX_SANDBOX_DIR``, else the system temp dir) and
     removed by ``close()`` (or leaving the ``with`` block). ``hide``: host directories
     (a task's source) that must not show through the system binds. ``isolation`` says
-    what this sandbox actually has.
+    what this sandbox actually has. ``per_command``: each agent command makes its
+    namespaces and root afresh, in place of entering the episode's (``Isolation.entry``).
     """
 
     def __init__(self, *, limits: Limits = Limits(), network: str = "none", filesystem: str = "auto",
-                 base_dir: str | None = None, hide: tuple[str, ...] = ()):
+                 base_dir: str | None = None, hide: tuple[str, ...] = (), per_command: bool = False):
         if network not in ("none", "host"):
             raise ValueError(f"network must be 'none' or 'host', got {network!r}")
         if filesystem not in ("auto", "chroot", "plain"):
@@ -316,8 +329,10 @@ class Sandbox:
         self.limits = limits
         self.isolation = dataclasses.replace(
             avail, network="netns" if network == "none" else "host", filesystem=self.filesystem,
-            verifier=avail.verifier if chroot else "agent-uid", notes=())
+            verifier=avail.verifier if chroot else "agent-uid", notes=(),
+            entry="episode" if chroot and avail.processes == "pidns" and not per_command else "command")
         self._closed, self.group, self.root, self._disks = True, None, None, []
+        self._anchor: tuple[int, int] | None = None  # the episode's anchor: (host pid, pidfd)
         self._lock, self._in_flight = threading.Lock(), 0
         self._disk_bytes = limits.disk_bytes
         self.uid, self._lock_fd = claim_uid() if avail.user == "dedicated-uid" else (None, None)
@@ -404,8 +419,13 @@ class Sandbox:
             self.reset_dir("/tmp")
 
     def _fresh(self, host: str, owner: int | None) -> None:
-        tree.rmtree(host)
-        os.makedirs(host, mode=0o755)
+        if os.path.isdir(host) and not os.path.islink(host):  # emptied in place: the episode's root binds it
+            for name in os.listdir(host):
+                tree.rmtree(os.path.join(host, name))
+            os.chmod(host, 0o755)
+        else:
+            tree.rmtree(host)
+            os.makedirs(host, mode=0o755)
         if owner is not None:
             os.chown(host, owner, owner)
             os.chmod(host, 0o700)
@@ -476,13 +496,14 @@ class Sandbox:
         if self.uid is not None:  # root ignores RLIMIT_NPROC; the sandbox uid does not
             rlimits.append((resource.RLIMIT_NPROC, limits.processes))
         as_verifier = verifier and self.verifier_uid != self.uid
+        enter = self._entered() if self.isolation.entry == "episode" and not verifier else None
         plan = Plan(root=os.path.join(self.root, ".root"), uid=self.verifier_uid if as_verifier else self.uid,
                     network_ns=self.isolation.network == "netns", chroot=chroot,
                     pid_ns=self.isolation.processes == "pidns", ipc_ns=self.isolation.ipc == "ipcns",
                     rlimits=rlimits, cwd=cwd if chroot else self.host_path(cwd),
-                    mounts=self._mounts(verifier) if chroot else (), hidden=self._hidden,
+                    mounts=self._mounts(verifier) if chroot and enter is None else (), hidden=self._hidden,
                     cgroup_procs=self.group.procs if self.group else (),
-                    verifier_of=self.uid if as_verifier else None)
+                    verifier_of=self.uid if as_verifier else None, enter=enter)
         oom_kills = 0
         if self.group is not None:
             self.group.set_limits(limits.memory_bytes, limits.cpus)
@@ -503,6 +524,9 @@ class Sandbox:
                 kill_uids(*self._uids())  # signal): nothing watches the command any more, so it ends now
             with self._lock:
                 self._in_flight -= 1
+                idle = self._in_flight == 0
+            if enter is not None and idle:
+                self._clear_shared_memory(enter)
             if as_verifier:
                 self._hand_back("/app")
         if killed is None and self.group is not None and self.group.oom_kills() > oom_kills:
@@ -512,6 +536,50 @@ class Sandbox:
             disk = os.statvfs(self._disks[0])
             full = self._disk_bytes if disk.f_bavail * disk.f_frsize < 64 << 10 else None
         return RunResult(returncode, output.decode("utf-8", errors="replace"), seconds, killed, truncated, full)
+
+    def _entered(self) -> int:
+        """The host pid of the episode's anchor (``isolation.start_anchor``): its namespaces
+        and root are made at the first agent command, and again if it was killed."""
+        with self._lock:
+            if self._anchor is not None and select.select([self._anchor[1]], [], [], 0)[0]:
+                os.close(self._anchor[1])  # it exited: its processes went with it, the files stay
+                self._anchor = None
+            if self._anchor is None:
+                plan = Plan(root=os.path.join(self.root, ".root"), uid=self.uid, rlimits=[], cwd="/",
+                            network_ns=self.isolation.network == "netns", chroot=True, pid_ns=True,
+                            ipc_ns=self.isolation.ipc == "ipcns", mounts=self._mounts(False), hidden=self._hidden)
+                try:
+                    pid = launcher.call("anchor", plan=plan, owner=os.getpid())
+                except (OSError, launcher.HelperDied) as err:
+                    raise SandboxError(f"could not make the sandbox's namespaces ({self.isolation.describe()}): "
+                                       f"{err}") from err
+                self._anchor = (pid, os.pidfd_open(pid))
+            return self._anchor[0]
+
+    def _clear_shared_memory(self, anchor: int) -> None:
+        """Empty the episode's ``/dev/shm`` after a command, as a root of its own would be
+        gone with it."""
+        shm = f"/proc/{anchor}/root/dev/shm"
+        try:
+            names = os.listdir(shm)
+        except OSError:
+            return
+        for name in names:
+            try:
+                tree.rmtree(os.path.join(shm, name))
+            except OSError:
+                pass
+
+    def _stop_anchor(self) -> None:
+        if self._anchor is not None:
+            pid, fd = self._anchor
+            self._anchor = None
+            try:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            select.select([fd], [], [], 5.0)  # its namespace's processes are gone once it has exited
+            os.close(fd)
 
     def _hand_back(self, virtual: str) -> None:
         """Give what the verifier made under ``virtual`` to the agent's uid (as files a root
@@ -550,6 +618,7 @@ class Sandbox:
                 attempt(isolation.remove_ipc, self._uids())
             if self.filesystem == "plain":  # and the host's shared directories: clear its files there
                 attempt(_remove_owned, ("/tmp", "/var/tmp", "/dev/shm"), self._uids())
+        attempt(self._stop_anchor)
         if self.group is not None:
             attempt(self.group.close)
         while self._disks:
