@@ -304,6 +304,8 @@ class Plan:
             _bind(path, new + path, read_only=True)
         for host, inside, writable in self.mounts:
             os.makedirs(new + inside, exist_ok=True)
+            if os.path.realpath(new + inside) != os.path.realpath(new) + inside:  # a link the agent left in /tmp
+                raise OSError(f"the mount point {inside} is reached through a symbolic link")
             _bind(host, new + inside, read_only=not writable)
         for path in self.hidden:
             if os.path.isdir(new + path):

@@ -144,6 +144,7 @@ _VERIFIER_TMP = ("verifier", "tmp")  # the verifier's own /tmp (and HOME) under 
 _VERIFIER_DIRS = ("/tests", "/logs/verifier")
 _PROBED: Isolation | None = None
 _TOOL_DIR: str | None = None
+_TOOLS_STARTED = False  # the tools' python was seen to start in a sandbox (Sandbox._check_tools)
 _LOCK = threading.Lock()
 
 
@@ -185,10 +186,17 @@ def tool_dir() -> str:
 def _interpreter_binds() -> tuple[tuple[str, str, bool], ...]:
     """The host interpreter's prefixes, mounted read-only at their own paths so that the
     tools' ``python3`` runs inside the new root (those under a system directory are there
-    already)."""
-    dirs = dict.fromkeys(os.path.realpath(p) for p in (sys.base_prefix, sys.prefix))
-    return tuple((d, d, False) for d in dirs
-                 if not d.startswith(_SYSTEM_TOPS) and not d.startswith(tuple(v + "/" for v in VIRTUAL_DIRS)))
+    already). A prefix under ``/tmp`` (a CI runner's virtualenv) is mounted there too, over
+    a directory of the sandbox's ``/tmp``; one under another sandbox directory cannot be."""
+    dirs = dict.fromkeys(os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, os.path.dirname(sys.executable)))
+    dirs = [d for d in dirs if not d.startswith(_SYSTEM_TOPS)]
+    for d in dirs:
+        top = next((v for v in VIRTUAL_DIRS if d == v or d.startswith(v + "/")), None)
+        if top not in (None, "/tmp") or d == "/tmp":
+            raise SandboxError(f"the sandbox's python ({sys.executable}, prefix {d}) is under {top or d}, which "
+                               f"every sandbox replaces with its own directory, so no command could run it; install "
+                               f"glmjax into an interpreter elsewhere (a virtualenv under /opt, /srv or your home)")
+    return tuple((d, d, False) for d in dirs if not any(d != o and d.startswith(o + "/") for o in dirs))
 
 
 def kill_uids(*uids: int) -> None:
@@ -371,6 +379,21 @@ class Sandbox:
         sandbox_dirs = (self.root, base_dir or tempfile.gettempdir())
         self._hidden = tuple(p for p in (*hide, *sandbox_dirs) if p)
         self._closed = False
+        if chroot:
+            self._check_tools()
+
+    def _check_tools(self) -> None:
+        """Once per process: the tools' ``python3`` starts inside a sandbox, so that a tool
+        that cannot start is refused here, never reported as a verifier's verdict."""
+        global _TOOLS_STARTED
+        if _TOOLS_STARTED:
+            return
+        found = self.run(f"{TOOLS}/bin/python3 -c 'import sys; print(sys.prefix)'", limits=Limits(wall_seconds=30.0))
+        if not found.ok:
+            self.close()
+            raise SandboxError(f"the sandbox's python ({sys.executable}) does not start inside the sandbox: "
+                               f"{found.summary()} {found.output.strip()[-400:]}")
+        _TOOLS_STARTED = True
 
     # ----- paths -----------------------------------------------------------------------
     def host_path(self, virtual: str) -> str:
