@@ -8,7 +8,8 @@
 Each rollout (`rl/rollout.py`) asks for a model turn, which goes to the engine's driver,
 or for environment work (a command, a verifier), which runs in a pool of `workers`
 threads, so the engine keeps decoding other rollouts while one waits for its sandbox.
-A rollout whose environment raises is dropped ("env_error"), one whose environment work
+A rollout whose environment raises is dropped ("env_error"; "env_worker_lost" where the
+Ray worker holding its sandbox died: envs/workers/ray_backend.py), one whose environment work
 outlives `env_timeout` seconds is abandoned ("env_timeout"), one the engine failed
 ("error"), whose engine group failed under it ("engine_group_failed", rl/engine/groups.py)
 or that finished more than `tau` versions behind ("stale") too; `dropped`
@@ -33,6 +34,7 @@ import concurrent.futures
 import logging
 import time
 
+from envs.workers import WorkerLost
 from rl import rollout as ro
 from rl import sao
 from rl.engine.driver import Driver, Handle, Request
@@ -40,6 +42,11 @@ from rl.engine.groups import DOWN as GROUP_DOWN
 from rl.engine.lockstep import Lockstep
 
 log = logging.getLogger(__name__)
+
+
+def _env_cause(err: BaseException) -> str:
+    """The drop cause of environment work that raised `err`."""
+    return "env_worker_lost" if isinstance(err, WorkerLost) else "env_error"
 
 
 def _stamped(work, ended: list):
@@ -114,7 +121,7 @@ class Collector:
                 if f.exception() is not None:
                     log.warning("environment of rollout %d (%s) failed: %r", rid, getattr(task, "id", "?"),
                                 f.exception())
-                    self._drop(r, rid, "env_error")
+                    self._drop(r, rid, _env_cause(f.exception()))
                 else:
                     self._advance(task, r, rid, version)
             elif now - started > self.env_timeout:
@@ -230,7 +237,8 @@ class Collector:
 def drive(driver: Driver, rollouts, workers: int = 4, max_active: int | None = None) -> None:
     """Runs every rollout to its end from this thread (the driver not started): the engine
     steps while any model turn is queued or decoding, environment work runs in a pool. A
-    rollout whose environment raises ends without a reward (`finish_reason="env_error"`).
+    rollout whose environment raises ends without a reward (`finish_reason="env_error"`, or
+    "env_worker_lost" where its Ray environment worker died).
     `rollouts` may be any iterable; with `max_active`, at most that many are in flight and
     the next starts as soon as one ends. With a Lockstep driver (rl/engine/lockstep.py) every
     process calls drive with its own rollouts, and each returns once all are done."""
@@ -283,7 +291,7 @@ def drive(driver: Driver, rollouts, workers: int = 4, max_active: int | None = N
                     r.receive(key.result())
                 elif key.exception() is not None:
                     log.warning("environment failed: %r", key.exception())
-                    r.finish_reason = "env_error"
+                    r.finish_reason = _env_cause(key.exception())
                     end(r, pool)
                     continue
                 advance(r, pool)

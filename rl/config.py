@@ -355,7 +355,8 @@ class RLConfig:
 class EnvConfig:
     """`config.env`: the sandboxed episodes of an agentic job (envs/shell.py: ShellEnv)."""
 
-    workers: int = 4  # threads running environment work (commands, verifiers)
+    # threads running environment work (commands, verifiers), or with backend "ray" waiting on it
+    workers: int = 4
     max_turns: int = 4
     turn_tokens: int = 40  # most tokens of one model turn
     command_seconds: float = 5.0
@@ -369,11 +370,27 @@ class EnvConfig:
     disk_mb: int = 1024
     cpus: float = 1.0
     timing: bool = True  # seconds in each observation's status line
+    # where episodes' sandboxes live (rl/tasks.py: ENV_BACKENDS): "thread", in this process;
+    # "ray", each episode on one of `ray_workers` Ray actors (envs/workers/ray_backend.py) of
+    # the cluster at `ray_address` ("": a private Ray on this machine; "auto": the one `ray
+    # start` runs here; "host:port": a cluster's head, whose nodes run this installation),
+    # each reserving `ray_worker_cpus` of its node and running `ray_worker_slots` calls at once
+    backend: str = "thread"
+    ray_address: str = ""
+    ray_workers: int = 4
+    ray_worker_cpus: float = 1.0
+    ray_worker_slots: int = 8
 
     def __post_init__(self):
         from envs.tool_calls import parser
+        from rl.tasks import ENV_BACKENDS
 
-        _at_least("env", self, 1, "workers", "max_turns", "turn_tokens", "observation_bytes", "memory_mb", "disk_mb")
+        _at_least("env", self, 1, "workers", "max_turns", "turn_tokens", "observation_bytes", "memory_mb", "disk_mb",
+                  "ray_workers", "ray_worker_slots")
+        if self.backend not in ENV_BACKENDS:
+            raise ValueError(f"env.backend={self.backend!r} is unknown: expected one of {sorted(ENV_BACKENDS)}")
+        if self.ray_worker_cpus < 0:
+            raise ValueError(f"env.ray_worker_cpus={self.ray_worker_cpus} is invalid: expected >= 0")
         if self.command_seconds <= 0 or self.episode_seconds <= 0 or self.cpus <= 0:
             raise ValueError(f"env.command_seconds={self.command_seconds}, env.episode_seconds="
                              f"{self.episode_seconds} and env.cpus={self.cpus} must be > 0")

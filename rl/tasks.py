@@ -20,7 +20,9 @@ answer; a copy whose oracle stops scoring is refused and counted. Sandboxed task
 only once their verifier has passed the three checks (oracle
 rewarded, no-op not, unfinished not: `envs/harbor/validate.py`); the others are excluded and
 counted by status. Reports are cached in workdir/validation.jsonl, so a resumed run does
-not check again. Held-out tasks come from another seed (`task.seed + 1`).
+not check again. Held-out tasks come from another seed (`task.seed + 1`). Episodes take
+their environments from `env.backend`'s pool (`make_env`, `ENV_BACKENDS`): ShellEnvs in
+this process, or each episode's sandbox on a Ray worker; the three checks run here.
 
 The job's chat format (`job_chat`): the byte vocabulary (`ByteChat`; one-turn prompts are
 the prompt's bytes, answers end at a newline), or with `base.checkpoint` the checkpoint's
@@ -46,6 +48,7 @@ from envs.harbor import validate
 from envs.harbor.task import HarborTask
 from envs.sandbox.sandbox import Limits
 from envs.shell import ShellEnv
+from envs.workers import InProcess, RayWorkers, RemoteEnv
 from glmjax import distributed, storage
 from glmjax.chat import ByteChat, HFChat
 from rl import rollout as ro
@@ -241,10 +244,28 @@ def sandbox_limits(cfg) -> Limits:
                   cpus=e.cpus)
 
 
-def make_env(cfg, action_format_: str | None = None) -> ShellEnv:
+# env.backend: where episodes' environments run (envs/workers), each built from the env section
+ENV_BACKENDS = {
+    "thread": lambda e: InProcess(),
+    "ray": lambda e: RayWorkers(e.ray_workers, address=e.ray_address, cpus=e.ray_worker_cpus,
+                                slots=e.ray_worker_slots),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def env_workers(e) -> InProcess | RayWorkers:
+    """The pool of `env.backend` for the env section `e`: one per process, shared by the
+    job's rollouts, evaluations and demonstrations (Ray's workers end with the process)."""
+    return ENV_BACKENDS[e.backend](e)
+
+
+def make_env(cfg, action_format_: str | None = None) -> ShellEnv | RemoteEnv:
+    """One episode's environment: a ShellEnv here, or with env.backend="ray" one with its
+    interface whose sandbox lives on a Ray worker (envs/workers/ray_backend.py)."""
     e = cfg.env
-    return ShellEnv(limits=sandbox_limits(cfg), max_turns=e.max_turns, observation_bytes=e.observation_bytes,
-                    show_help=e.show_help, action_format=action_format_ or action_format(cfg), timing=e.timing)
+    return env_workers(e).env(limits=sandbox_limits(cfg), max_turns=e.max_turns, observation_bytes=e.observation_bytes,
+                              show_help=e.show_help, action_format=action_format_ or action_format(cfg),
+                              timing=e.timing)
 
 
 def compaction(cfg) -> Compaction | None:
