@@ -3,12 +3,14 @@
     pip install -e .            # library + `glmjax-train`
     pip install -e '.[test]'    # + pytest and the Hugging Face reference (CPU torch)
     pip install -e '.[serve]'   # + `glmjax-serve`, JetStream's gRPC protocol (grpcio, protobuf)
+    pip install -e '.[ray]'     # + environment workers on Ray (env.backend="ray")
     pip install -e '.[gpu]'     # or '.[tpu]': JAX for the accelerator
 """
 
 from setuptools import find_packages, setup
 
 JAX_VERSION = "0.10.2"
+RAY = "ray==2.60.0"
 
 setup(
     name="glmjax",
@@ -57,8 +59,13 @@ setup(
                  "httpx>=0.28", "inspect-ai>=0.3.285,<0.4",
                  # libtpu: the Mosaic kernels and glmjax-aot compile for TPU topologies on a CPU
                  # (tests/conftest.py keeps JAX_PLATFORMS=cpu for running)
-                 f"jax[tpu]=={JAX_VERSION}"],
+                 f"jax[tpu]=={JAX_VERSION}",
+                 # env.backend="ray", tested on a two-node cluster of the test machine
+                 RAY],
         "serve": ["grpcio", "protobuf", "prometheus-client"],
+        # env.backend="ray": episodes' sandboxes on Ray workers (envs/workers/ray_backend.py),
+        # on this machine or a cluster whose nodes run the same installation
+        "ray": [RAY],
         "gpu": [f"jax[cuda12]=={JAX_VERSION}"],
         # gs:// workdirs and task directories (glmjax/storage.py through etils.epath's fsspec backend)
         "gcs": ["gcsfs"],
