@@ -45,6 +45,9 @@ setup(
         "numpy>=2.0",
         "tqdm",
         "matplotlib",
+        # a task's shell scripts are read with bash's maintained grammar (envs/image/shell_syntax.py)
+        "tree-sitter>=0.23,<1",
+        "tree-sitter-bash>=0.23",
         # the sandbox's python3 runs Harbor tasks' verifiers (`uvx pytest --ctrf ...`), as their images do
         "pytest",
         "pytest-json-ctrf",

@@ -1,31 +1,44 @@
-"""The simple commands of a shell script, with where each pipeline starts and ends.
+"""The simple commands of a shell script, read with tree-sitter-bash, with where each
+pipeline starts and ends.
 
-Enough of POSIX / bash syntax to find what a script *runs*, which is what the install scan
-(``envs/image/installs.py``) needs, without executing anything:
+What a script *runs* is what the install scan (``envs/image/installs.py``) needs, without
+executing anything. The grammar is the maintained ``tree-sitter-bash`` (the one editors and
+GitHub use); this file only turns its tree into words:
 
 - quoting (``'...'``, ``"..."``, ``$'...'``, backslashes, line continuations) is removed
   from words; expansions (``$VAR``, ``${...}``, ``$(...)``, backticks) stay as written;
-- comments are dropped (a ``#`` that starts a word runs to the end of the line);
-- here-document bodies are skipped (their text is data, not commands);
-- redirections (``> f``, ``2>&1``, ``<<< w``) are taken off the words;
-- reserved words (``if then else fi for while do done case esac ...``), ``!``, braces and
-  parentheses separate commands; ``for NAME in ...`` and ``case WORD in`` headers are not
-  commands; leading ``NAME=value`` assignments are kept apart from the words.
+- comments and here-document bodies are data, not commands, but the command substitutions
+  inside either (``$(pip install x)``) run, so they are commands of their own;
+- redirections are taken off the words; leading ``NAME=value`` assignments are kept apart;
+- commands inside compound statements (``if``, ``for``, ``case``, functions, subshells)
+  are found like any other; ``[[ ... ]]`` and ``(( ... ))`` run nothing.
 
 ``pipelines(script)`` returns each pipeline (commands joined by ``|``) with its character
 span in the script, so a caller can replace exactly that span (``rewrite``).
+
+A script that tree-sitter cannot parse cleanly is checked by ``bash -n``: bash's verdict
+decides (tree-sitter-bash misreads a few valid scripts, and then still finds their commands);
+a script bash rejects raises ``ShellSyntaxError`` with bash's message.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
+import shutil
+import subprocess
 
-_RESERVED = {"if", "then", "elif", "else", "fi", "do", "done", "while", "until", "for", "case", "esac",
-             "in", "select", "function", "{", "}", "!", "[[", "]]", "time", "coproc"}
-_ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\[[^]]*\])?\+?=")
-_REDIRECT = re.compile(r"(\d+|&|\{[A-Za-z_]\w*\})?(>>|>&|>\||<<<|<<-|<<|<&|<>|>|<)")
-_OPERATORS = ("&&", "||", ";;", "|&", ";", "&", "|", "(", ")", "\n")
+import tree_sitter
+import tree_sitter_bash
+
+# nodes whose text is data to a command, not words of it
+_REDIRECTS = {"file_redirect", "heredoc_redirect", "herestring_redirect"}
+# nodes that keep their text as written inside a word
+_EXPANSIONS = {"simple_expansion", "expansion", "command_substitution", "arithmetic_expansion",
+               "process_substitution"}
+_DOUBLE_QUOTED_ESCAPE = re.compile(r"\\([$`\"\\\n])")
+_BACKSLASH = re.compile(r"\\(.)", re.S)
 
 
 @dataclasses.dataclass
@@ -50,236 +63,180 @@ class Pipeline:
 
 
 class ShellSyntaxError(ValueError):
-    """The script cannot be tokenized (an unterminated quote or substitution)."""
+    """The script is not valid shell (bash says so)."""
 
 
-class _Lexer:
-    def __init__(self, text: str):
-        self.text, self.i, self.heredocs = text, 0, []
+@functools.cache
+def _parser() -> tree_sitter.Parser:
+    return tree_sitter.Parser(tree_sitter.Language(tree_sitter_bash.language()))
 
-    def error(self, what: str, at: int) -> ShellSyntaxError:
-        """``what`` went wrong with the construct that starts at offset ``at``."""
-        line = self.text.count("\n", 0, at) + 1
-        return ShellSyntaxError(f"line {line}: {what}")
 
-    def skip_blank(self) -> None:
-        t = self.text
-        while self.i < len(t):
-            if t[self.i] in " \t":
-                self.i += 1
-            elif t.startswith("\\\n", self.i):
-                self.i += 2
-            elif t[self.i] == "#":
-                end = t.find("\n", self.i)
-                self.i = len(t) if end < 0 else end
+class _Reader:
+    """Words and spans of one parsed script; offsets in characters, not tree-sitter's bytes."""
+
+    def __init__(self, script: str):
+        self.data = script.encode()
+        self.chars = None  # byte offset -> character offset, where they differ
+        if len(self.data) != len(script):
+            self.chars = [i for i, c in enumerate(script) for _ in c.encode()] + [len(script)]
+
+    def at(self, byte: int) -> int:
+        return byte if self.chars is None else self.chars[byte]
+
+    def text(self, node) -> str:
+        return self.data[node.start_byte:node.end_byte].decode(errors="replace")
+
+    def gap(self, left, right) -> str:
+        return self.data[left.end_byte:right.start_byte].decode(errors="replace")
+
+    def word(self, node) -> str:
+        """The word ``node`` is after quote removal (expansions as written)."""
+        kind = node.type
+        if kind == "word":
+            return _BACKSLASH.sub(lambda m: "" if m.group(1) == "\n" else m.group(1), self.text(node))
+        if kind == "raw_string":
+            return self.text(node)[1:-1]
+        if kind == "ansi_c_string":
+            return self.text(node)[2:-1]
+        if kind in ("string", "translated_string"):
+            return self.double_quoted(node)
+        if kind == "concatenation":
+            return "".join(self.word(c) for c in node.children)
+        return self.text(node)
+
+    def words(self, nodes) -> list[str]:
+        """Nodes that touch (no blank between them) are one word, as bash splits them:
+        tree-sitter-bash cuts ``$A/$B/*.log`` in two at the glob."""
+        out, last = [], None
+        for node in nodes:
+            if last is not None and last.end_byte == node.start_byte:
+                out[-1] += self.word(node)
             else:
-                return
+                out.append(self.word(node))
+            last = node
+        return out
 
-    def newline(self) -> None:
-        """Past a newline: skip the bodies of the here-documents opened on that line."""
-        self.i += 1
-        for delimiter, strip_tabs in self.heredocs:
-            while self.i < len(self.text):
-                end = self.text.find("\n", self.i)
-                end = len(self.text) if end < 0 else end
-                line = self.text[self.i:end]
-                self.i = min(end + 1, len(self.text))
-                if (line.lstrip("\t") if strip_tabs else line) == delimiter:
-                    break
-        self.heredocs = []
-
-    def balanced(self, open_: str, close: str) -> None:
-        """From just past ``open_`` to just past its matching ``close`` (quotes respected)."""
-        depth, t, start = 1, self.text, self.i - len(open_)
-        while self.i < len(t):
-            c = t[self.i]
-            if c == "\\":
-                self.i += 2
-            elif c == "'" and open_ != "{":
-                self.single_quoted()
-            elif c == '"':
-                self.i += 1
-                self.double_quoted()
-            elif c == "`":
-                self.backticks()
-            elif t.startswith(open_, self.i):
-                depth, self.i = depth + 1, self.i + len(open_)
-            elif t.startswith(close, self.i):
-                depth, self.i = depth - 1, self.i + len(close)
-                if depth == 0:
-                    return
-            else:
-                self.i += 1
-        raise self.error(f"unterminated {open_}", start)
-
-    def single_quoted(self) -> str:
-        end = self.text.find("'", self.i + 1)
-        if end < 0:
-            raise self.error("unterminated single quote", self.i)
-        value, self.i = self.text[self.i + 1:end], end + 1
-        return value
-
-    def backticks(self) -> str:
-        """A command substitution in backquotes, from its opening one, returned as written."""
-        start = self.i
-        self.i += 1
-        while self.i < len(self.text):
-            c = self.text[self.i]
-            if c == "\\":
-                self.i += 2
-            elif c == "`":
-                self.i += 1
-                return self.text[start:self.i]
-            else:
-                self.i += 1
-        raise self.error("unterminated backquote", start)
-
-    def expansion(self) -> str:
-        """``$...`` or a backquoted substitution at the cursor, returned as written."""
-        return self.backticks() if self.text[self.i] == "`" else self.dollar()
-
-    def dollar(self) -> str:
-        """An expansion starting at ``$``, returned as written."""
-        start, t = self.i, self.text
-        if t.startswith("$((", self.i):
-            self.i += 3
-            self.balanced("((", "))")
-        elif t.startswith("$(", self.i):
-            self.i += 2
-            self.balanced("(", ")")
-        elif t.startswith("${", self.i):
-            self.i += 2
-            self.balanced("{", "}")
-        else:
-            self.i += 1
-        return t[start:self.i]
-
-    def double_quoted(self) -> str:
-        out, t, start = [], self.text, self.i - 1
-        while self.i < len(t):
-            c = t[self.i]
-            if c == '"':
-                self.i += 1
-                return "".join(out)
-            if c == "\\" and self.i + 1 < len(t):
-                nxt = t[self.i + 1]
-                out.append("" if nxt == "\n" else nxt if nxt in '$`"\\' else c + nxt)
-                self.i += 2
-            elif c in "$`":
-                out.append(self.expansion())
-            else:
-                out.append(c)
-                self.i += 1
-        raise self.error("unterminated double quote", start)
-
-    def word(self) -> str:
-        out, t = [], self.text
-        while self.i < len(t):
-            c = t[self.i]
-            if c in " \t\n;&|()<>":
-                break
-            if c == "\\":
-                if t.startswith("\\\n", self.i):
-                    self.i += 2
-                    continue
-                out.append(t[self.i + 1:self.i + 2])
-                self.i += 2
-            elif c == "'":
-                out.append(self.single_quoted())
-            elif t.startswith("$'", self.i):
-                self.i += 1
-                out.append(self.single_quoted())
-            elif c == '"':
-                self.i += 1
-                out.append(self.double_quoted())
-            elif c in "$`":
-                out.append(self.expansion())
-            else:
-                out.append(c)
-                self.i += 1
+    def double_quoted(self, node) -> str:
+        """Inside ``"..."``: expansions as written, the rest with its escapes removed."""
+        out, at = [], node.start_byte + (2 if node.type == "translated_string" else 1)
+        for child in node.children:
+            if child.type in _EXPANSIONS:
+                out += [self.unescape(at, child.start_byte), self.text(child)]
+                at = child.end_byte
+        out.append(self.unescape(at, node.end_byte - 1))
         return "".join(out)
 
-    def tokens(self):
-        """(kind, value, start, end): kind "word", "op" or "redirect" (value: the target)."""
-        t = self.text
-        while True:
-            self.skip_blank()
-            if self.i >= len(t):
-                return
-            start = self.i
-            if t[self.i] == "\n":
-                self.newline()
-                yield "op", "\n", start, start + 1
-                continue
-            redirect = _REDIRECT.match(t, self.i)
-            if redirect:
-                self.i = redirect.end()
-                self.skip_blank()
-                target = self.word()
-                if redirect.group(2) in ("<<", "<<-"):
-                    self.heredocs.append((target, redirect.group(2) == "<<-"))
-                yield "redirect", target, start, self.i
-                continue
-            for op in _OPERATORS:
-                if t.startswith(op, self.i):
-                    self.i += len(op)
-                    yield "op", op, start, self.i
-                    break
-            else:
-                yield "word", self.word(), start, self.i
+    def unescape(self, start: int, end: int) -> str:
+        text = self.data[start:end].decode(errors="replace") if end > start else ""
+        return _DOUBLE_QUOTED_ESCAPE.sub(lambda m: "" if m.group(1) == "\n" else m.group(1), text)
+
+    def assignment(self, node) -> str:
+        value = node.child_by_field_name("value")
+        if value is None:
+            return self.text(node)
+        return self.data[node.start_byte:value.start_byte].decode(errors="replace") + self.word(value)
+
+    def command(self, node, outer) -> Command:
+        """A ``command`` node; ``outer`` is the node whose span it takes (its redirections too)."""
+        children = [c for c in node.children if c.type != "comment"]
+        if outer is not node:  # the statement's redirections: their stray words are the command's
+            children = sorted(children + [c for c in outer.children if c.type == "file_redirect"],
+                              key=lambda c: c.start_byte)
+        # tree-sitter-bash joins ``A=1 B=2`` to the next line's command when that one has a
+        # here-document; bash ends a command at an unescaped newline
+        first = 0
+        for i in range(1, len(children)):
+            if children[i - 1].type == "variable_assignment" and "\n" in self.gap(children[i - 1], children[i]):
+                first = i
+        parts, assignments = [], []
+        for child in children[first:]:
+            if child.type == "variable_assignment" and not parts:
+                assignments.append(self.assignment(child))
+            elif child.type == "command_name":
+                parts += child.children or [child]
+            elif child.type == "file_redirect":
+                # ``echo a > f b``: tree-sitter-bash reads ``b`` as a second target; it is a word
+                parts += [c for c in child.named_children if c.type != "file_descriptor"][1:]
+            elif child.type not in _REDIRECTS:
+                parts.append(child)
+        words = self.words(parts)
+        start = children[first].start_byte if first else outer.start_byte
+        return Command(words, assignments, self.at(start), self.at(outer.end_byte))
+
+    def declaration(self, node) -> Command:
+        """``export A=1 B``, ``local x``, ``unset Y``: a builtin and its words."""
+        parts = [c for c in node.children if c.type not in _REDIRECTS and c.type != "comment"]
+        words = [self.assignment(c) if c.type == "variable_assignment" else self.word(c) for c in parts]
+        return Command(words, [], self.at(node.start_byte), self.at(node.end_byte))
+
+
+def _body(node):
+    """The statement a ``redirected_statement`` redirects; any other node itself."""
+    if node.type == "redirected_statement":
+        return node.child_by_field_name("body") or node.children[0]
+    return node
+
+
+def _stage(reader: _Reader, node) -> Command | None:
+    """The simple command a pipeline stage is, or None (a compound statement)."""
+    body = _body(node)
+    if body.type == "command":
+        return reader.command(body, node)
+    if body.type in ("declaration_command", "unset_command"):
+        return reader.declaration(body)
+    return None
+
+
+def _walk(reader: _Reader, node, out: list[Pipeline]) -> None:
+    if node.type == "comment":
+        return
+    stages = [c for c in node.children if c.is_named and c.type != "comment"] if node.type == "pipeline" else [node]
+    found = [(s, _stage(reader, s)) for s in stages]
+    commands = [c for _, c in found if c is not None]
+    if commands:
+        out.append(Pipeline(commands, commands[0].start, commands[-1].end))
+    elif node.type != "pipeline":
+        for child in node.children:
+            _walk(reader, child, out)
+        return
+    for stage, command in found:
+        if command is None:
+            _walk(reader, stage, out)
+            continue
+        # the substitutions in a simple command's words and here-documents run too
+        parts = _body(stage).children + ([] if stage is _body(stage) else stage.children[1:])
+        for part in parts:
+            _walk(reader, part, out)
+
+
+def _check(script: str, root) -> None:
+    if not root.has_error:
+        return
+    bash = shutil.which("bash")
+    if bash is None:
+        bad = next(_errors(root))
+        raise ShellSyntaxError(f"line {bad.start_point[0] + 1}: tree-sitter-bash cannot parse it (no bash to ask)")
+    result = subprocess.run([bash, "-n"], input=script, capture_output=True, text=True)
+    if result.returncode != 0:
+        lines = result.stderr.strip().splitlines() or ["a syntax error"]
+        raise ShellSyntaxError(re.sub(r"^\S*bash: ", "", lines[0]))
+    # valid: a gap of tree-sitter-bash's, whose tree still holds the commands around it
+
+
+def _errors(node):
+    if node.type == "ERROR" or node.is_missing:
+        yield node
+    for child in node.children:
+        yield from _errors(child)
 
 
 def pipelines(script: str) -> list[Pipeline]:
     """Every pipeline of ``script`` in order (see the module docstring)."""
+    tree = _parser().parse(script.encode())
+    _check(script, tree.root_node)
     out: list[Pipeline] = []
-    current: list[Command] = []
-    words, assignments, start, end = [], [], None, None
-    header = None  # inside "for NAME in ..." / "case WORD in": not a command
-
-    def end_command():
-        nonlocal words, assignments, start, end
-        if words or assignments:
-            current.append(Command(words, assignments, start, end))
-        words, assignments, start, end = [], [], None, None
-
-    def end_pipeline():
-        nonlocal current
-        end_command()
-        if current:
-            out.append(Pipeline(current, current[0].start, current[-1].end))
-        current = []
-
-    for kind, value, s, e in _Lexer(script).tokens():
-        if header is not None:
-            if kind == "op" and value in ("\n", ";") and header == "for":
-                header = None
-            elif kind == "word" and value in ("in", "do") and header == "case":
-                header = None
-            elif kind == "word" and value == "do":
-                header = None
-            continue
-        if kind == "op":
-            if value == "|" or value == "|&":
-                end_command()
-            else:
-                end_pipeline()
-            continue
-        if start is None:
-            start = s
-        end = e
-        if kind == "redirect":
-            continue
-        if not words and not assignments and value in _RESERVED:
-            if value in ("for", "select", "case"):
-                header = "case" if value == "case" else "for"
-            start = None
-            continue
-        if not words and _ASSIGNMENT.match(value):
-            assignments.append(value)
-            continue
-        words.append(value)
-    end_pipeline()
-    return out
+    _walk(_Reader(script), tree.root_node, out)
+    return sorted(out, key=lambda p: p.start)
 
 
 def commands(script: str) -> list[Command]:
@@ -287,9 +244,13 @@ def commands(script: str) -> list[Command]:
 
 
 def rewrite(script: str, spans: list[tuple[int, int, str]]) -> str:
-    """``script`` with each ``(start, end, replacement)`` span replaced (spans must not overlap)."""
+    """``script`` with each ``(start, end, replacement)`` span replaced. A span inside one
+    already replaced (a command in a replaced command's substitution) goes with it; spans
+    that cross are an error."""
     out, at = [], 0
     for start, end, replacement in sorted(spans):
+        if end <= at and start < at:
+            continue
         if start < at:
             raise ValueError(f"overlapping spans at {start}")
         out += [script[at:start], replacement]

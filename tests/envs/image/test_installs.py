@@ -33,10 +33,11 @@ echo "$(date) done" \\
         (["curl", "-LsSf", "https://astral.sh/uv/install.sh"], []),
         (["sh"], []),
         (["echo", "$(date) done", "second"], []),
+        (["date"], []),  # a command substitution runs
     ]
     pipeline = shell_syntax.pipelines(script)[5]
     assert script[pipeline.start:pipeline.end] == "curl -LsSf https://astral.sh/uv/install.sh | sh"
-    with pytest.raises(shell_syntax.ShellSyntaxError, match="line 1: unterminated double quote"):
+    with pytest.raises(shell_syntax.ShellSyntaxError, match="line 1: unexpected EOF while looking for matching"):
         shell_syntax.commands('echo "oops\n')
 
 
