@@ -13,6 +13,11 @@ verifier, the sandbox closed; ``--workers`` threads at once, as the job's enviro
 pool runs them. Validation: the three checks on ``--tasks`` tasks per family (oracle,
 no-op and every unfinished probe, each in a fresh sandbox), mean and max seconds per task.
 
+Ray workers (``--ray-workers 1,2,4``): episodes per second with each number of Ray
+environment workers (``env.backend="ray"``, a private Ray on this machine) on lookup
+episodes whose actions first sleep, so that the episodes wait rather than compute and
+the workers' slots, not the cores, are the limit.
+
 ``--baseline DIR`` times the episodes of another checkout of glmjax (an earlier commit, in
 a ``git worktree``) beside this one's: each arm runs in a process of its own, the arms in
 turn, ``--rounds`` times; each run records its wall time and the machine's busy CPU time
@@ -142,6 +147,55 @@ def validation_seconds(family: str, n: int) -> dict:
     return {"tasks": n, "mean_s": statistics.mean(times), "max_s": max(times)}
 
 
+def ray_workers(counts: list[int], n: int, slots: int = 2, wait: float = 0.25) -> dict:
+    """Episodes per second on each of ``counts`` Ray environment workers
+    (envs/workers/ray_backend.py, a private Ray on this machine): ``n`` lookup episodes whose
+    every action first waits (``sleep wait``), so that the workers' calls at once (``slots``
+    each), not the cores, bound the rate; the caller's side runs a thread per slot of all
+    workers. Each pool is warmed up first (a worker's first episode imports the sandbox and
+    probes the isolation)."""
+    import ray
+
+    from envs.workers import RayWorkers, ray_backend
+
+    owns = ray_backend.connect("")
+    tasks = families.make_tasks("lookup", n, seed=0)
+
+    def one(pool, task) -> float:
+        env = pool.env(max_turns=4, timing=False)
+        env.reset(task)
+        for action in task.metadata["demonstration"]:
+            step = env.step(f"<bash>sleep {wait}</bash>{action}")
+            if step.done:
+                break
+        else:
+            step = env.finish()
+        env.close()
+        return step.reward
+
+    result = {"episodes": n, "slots_per_worker": slots, "wait_seconds_per_action": wait}
+    try:
+        for count in counts:
+            pool = RayWorkers(count, cpus=os.cpu_count() / max(counts), slots=slots)
+            try:
+                with ThreadPoolExecutor(count * slots) as threads:
+                    list(threads.map(lambda t: one(pool, t), tasks[:count * slots]))
+                    start = time.perf_counter()
+                    rewards = list(threads.map(lambda t: one(pool, t), tasks))
+                    seconds = time.perf_counter() - start
+            finally:
+                pool.close()
+            result[f"{count}_workers"] = {"episodes_per_second": n / seconds, "seconds": seconds,
+                                          "rewarded": sum(rewards) / n}
+    finally:
+        if owns:
+            ray.shutdown()
+    for count in counts[1:]:
+        result[f"{count}_over_{counts[0]}_workers"] = (result[f"{count}_workers"]["episodes_per_second"]
+                                                       / result[f"{counts[0]}_workers"]["episodes_per_second"])
+    return result
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="where to write the JSON results")
@@ -150,6 +204,8 @@ def main(argv=None):
     parser.add_argument("--tasks", type=int, default=3, help="tasks per family for the validation timing")
     parser.add_argument("--families", default="arithmetic,terminal,code_repair,security,ml_infra")
     parser.add_argument("--episodes", type=int, default=64, help="lookup episodes per timed run")
+    parser.add_argument("--ray-workers", default="1,2,4",
+                        help="Ray environment worker counts whose episodes per second to time ('' for none)")
     parser.add_argument("--baseline", default=None, help="another glmjax checkout whose episodes to time beside these")
     parser.add_argument("--rounds", type=int, default=5, help="runs of each arm with --baseline")
     args = parser.parse_args(argv)
@@ -170,6 +226,8 @@ def main(argv=None):
         f"episodes_per_second_{args.workers}_concurrent": args.episodes / episodes(args.episodes, args.workers),
         "validation_seconds_per_task": {f: validation_seconds(f, args.tasks) for f in args.families.split(",")},
     }
+    if args.ray_workers:  # last, so that no Ray process runs beside the other timings
+        results["ray_workers"] = ray_workers([int(c) for c in args.ray_workers.split(",")], args.episodes)
     _write(args.out, results)
 
 

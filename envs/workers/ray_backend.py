@@ -123,9 +123,8 @@ def connect(address: str = "") -> bool:
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # the job reports nothing to Ray's servers
     args = dict(include_dashboard=False, logging_level=logging.WARNING)
     if not address:
-        # a token of its own in the environment its processes inherit: no other process can
-        # attach, and nothing is written to ~/.ray (where Ray keeps a shared one)
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
+        # Ray turns token authentication on for a cluster it starts; a token of its own, in
+        # the environment its processes inherit, keeps Ray from writing a shared one to ~/.ray
         os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
         ray.init(address="local", _node_ip_address=LOOPBACK, **args)
     elif address != "auto" and _loopback(address):  # a cluster bound to loopback: this process joins as such
