@@ -18,6 +18,7 @@ The public API, importable from `envs`:
     harbor/        Harbor / Terminal-Bench tasks: run one in a sandbox (task.py), load and export
                    directories (dirs.py), what a run changed (changes.py), the three checks (validate.py)
     shell.py       ShellEnv: multi-turn episodes of a HarborTask in a Sandbox
+    workers/       where episodes' ShellEnvs live: this process, or Ray actors on a cluster
     tool_calls.py  action formats: a model's turn read as commands and a submit
     families/      procedural text tasks and sandboxed task patterns; make_tasks(...)
     datasets.py    prompt datasets as JSONL files (our schema, GSM8K, MATH, MBPP, HumanEval, chat rows)
