@@ -13,14 +13,34 @@ when the host already has what it asks for, and fails, naming what is missing, w
   (the interpreter running glmjax); a different pinned version is accepted and noted;
 - the stand-ins, run as ``apt-get`` (``apt``, ``apk``, ``yum``, ``dnf``), ``pip``, ``pip3``,
   ``uv`` and ``uvx`` inside the sandbox (``main``): installs are checked as above and otherwise do nothing; ``uvx TOOL``
-  and ``uv run CMD`` run the host's tool (``pytest`` is ``python3 -m pytest``; under ``uvx``,
+  and ``uv run CMD`` run the host's tool (``pytest`` is pytest's console script; under ``uvx``,
   as in its fresh environment, pytest loads only the plugins of the ``--with`` packages).
 
 ``build(root)`` writes the tool directory a sandbox mounts at ``/glmjax``: ``bin/`` (the
-stand-ins, ``python``/``python3`` for the host interpreter, ``pytest``), ``lib/`` (this
-file) and ``guard/`` (empty ``sitecustomize``/``usercustomize`` modules that every
-``python`` started through ``bin/`` finds first on its path, so that a planted one in a
-directory of ``PYTHONPATH`` is never imported).
+stand-ins; ``python``/``python3``, the host interpreter; ``pytest``), ``lib/`` (this file)
+and ``guard/``, the first directory on the ``PYTHONPATH`` of every ``python`` started
+through ``bin/`` (and of the pythons those start with their environment). Guaranteed there,
+against files the agent leaves where the verifier's python looks:
+
+- its ``sitecustomize`` is the one imported (``usercustomize``: the user site is off), and
+  what python imports while it starts (``encodings``, what ``.pth`` files import) comes from
+  its own directories: ``PYTHONPATH``'s entries join sys.path only once the guard runs;
+- a top-level module comes from the directories the agent cannot write (the interpreter's
+  own, ``$TEST_DIR``) when one of them has it, and only otherwise along sys.path: a
+  ``pytest.py``, ``re.py`` or ``unittest/`` in ``/app`` never stands in for the real one,
+  whether ``/app`` is on sys.path as the working directory (``python3 -m pytest``), on
+  ``PYTHONPATH`` or through the test's own ``sys.path.insert(0, "/app")``, while the agent's
+  modules (``from solution import f``) import as in the task's image, sys.path in its order;
+- ``pytest``, ``uvx pytest`` and ``uv run pytest`` start pytest's console script: nothing of
+  the working directory on sys.path, and pytest's rootdir, ini file and conftests found from
+  the test paths, as in the image (an ``/app/pytest.ini`` or ``/app/conftest.py`` is not read
+  for ``/tests/test_outputs.py``).
+
+Not covered: a python started with ``-E``, ``-I`` or ``-S``, or by its path
+(``/usr/bin/python3``) from an environment without the guard on ``PYTHONPATH``; the modules
+a python started by ``sys.executable`` imports while it starts, from an agent's directory
+on ``PYTHONPATH``. An agent's module named like one of the host's site-packages (a larger set
+than an image's) is not importable under that name.
 
 This file is copied into the sandbox and run there by the host interpreter: it imports
 only the standard library.
@@ -32,6 +52,7 @@ import importlib.metadata
 import importlib.util
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -203,18 +224,17 @@ def _pip(args: list[str]) -> int:
     return subprocess.call([sys.executable, "-m", "pip", *args])
 
 
-def _python() -> str:
-    """The tool directory's ``python3`` (the host interpreter behind the sitecustomize guard)."""
-    shim = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bin", "python3")
-    return shim if os.path.isfile(shim) else sys.executable
+def _tool(name: str) -> str:
+    """The tool directory's ``bin/NAME`` (see ``build``; this file runs from its ``lib/``)."""
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bin", name)
 
 
 def _tool_argv(tool: str, args: list[str]) -> list[str]:
     name = re.split(r"[=<>@\[]", tool, maxsplit=1)[0]
-    if name in ("pytest", "py.test"):
-        return [_python(), "-m", "pytest", *args]
+    if name in ("pytest", "py.test"):  # the console script, as uvx and uv run start it (not python -m pytest)
+        return [_tool("pytest"), *args]
     if name in ("python", "python3") or re.fullmatch(r"python3\.\d+", name):
-        return [_python(), *args]
+        return [_tool("python3"), *args]
     found = command(name)
     if not found:
         raise FileNotFoundError(f"{name} is not available in this sandbox (no network to fetch it)")
@@ -338,20 +358,79 @@ def main(argv: list[str]) -> int:
 
 
 # ----- the tool directory (host side) ----------------------------------------------------------------
+_PYTEST_MAIN = "import sys; from pytest import console_main; sys.exit(console_main())"
+# guard/sitecustomize.py (the module docstring says what it guarantees). An import finder rather than a
+# reordered sys.path: tests put /app first themselves (sys.path.insert) and pytest inserts its rootdirs after
+# the guard has run, and sys.path stays as in the task's image, so the agent's modules import as there.
+_GUARD = '''"""The sandbox's guard (envs/image/host_tools.py): modules first from where the agent cannot write."""
+import os
+import sys
+from importlib.machinery import PathFinder
+
+
+def _abs(entry):
+    try:
+        return os.path.abspath(entry)  # "" is the working directory at the time of the import
+    except OSError:  # the working directory is gone
+        return entry
+
+
+def _entries(value):
+    return [_abs(p) for p in value.split(os.pathsep)] if value else []
+
+
+_HERE = os.path.dirname(_abs(__file__))
+_TESTS = _abs(os.environ.get("TEST_DIR", "/tests"))
+# the interpreter's own directories; a python started without the tools' wrapper has PYTHONPATH's there too
+_TRUSTED = {_abs(p) for p in sys.path if isinstance(p, str)} - (set(_entries(os.environ.get("PYTHONPATH"))) - {_HERE})
+_asked = os.environ.pop("GLMJAX_PYTHONPATH", None)  # PYTHONPATH as the command gave it to the wrapper
+if _asked:
+    _at = next((i + 1 for i, p in enumerate(sys.path) if isinstance(p, str) and _abs(p) == _HERE), 0)
+    sys.path[_at:_at] = [p for p in dict.fromkeys(_entries(_asked)) if p != _HERE]
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [os.environ.get("PYTHONPATH", _HERE)] + [p for p in _asked.split(os.pathsep) if _abs(p) != _HERE])
+
+
+def _trusted(entry):
+    if not isinstance(entry, str):
+        return False
+    path = _abs(entry)
+    return path in _TRUSTED or path == _TESTS or path.startswith(_TESTS + os.sep)
+
+
+class TrustedFirst:
+    """A top-level module from the trusted entries of sys.path if one of them has it; a
+    submodule is found through its package's __path__, where the package came from."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if path is not None:
+            return None
+        return PathFinder.find_spec(name, [e for e in sys.path if _trusted(e)])
+
+
+sys.meta_path.insert(sys.meta_path.index(PathFinder) if PathFinder in sys.meta_path else 0, TrustedFirst)
+'''
+
+
 def build(root: str, interpreter: str = sys.executable) -> None:
     """Write the tool directory into ``root`` (see the module docstring)."""
     bin_dir, lib_dir, guard = (os.path.join(root, d) for d in ("bin", "lib", "guard"))
     for d in (bin_dir, lib_dir, guard):
         os.makedirs(d, exist_ok=True)
     shutil.copyfile(os.path.abspath(__file__), os.path.join(lib_dir, "host_tools.py"))
-    for module in ("sitecustomize", "usercustomize"):
+    usercustomize = '"""Found first on the path: a planted module of this name is never imported."""\n'
+    for module, text in (("sitecustomize", _GUARD), ("usercustomize", usercustomize)):
         with open(os.path.join(guard, f"{module}.py"), "w") as f:
-            f.write('"""Found first on the path: a planted module of this name is never imported."""\n')
+            f.write(text)
     here = 'd=$(dirname "$0")'
-    python = (f'#!/bin/sh\n{here}\nPYTHONNOUSERSITE=1 PYTHONPATH="$d/../guard${{PYTHONPATH:+:$PYTHONPATH}}" '
+    # PYTHONPATH's own entries wait in GLMJAX_PYTHONPATH until the guard has run (it puts them back):
+    # what python imports while it starts (encodings, the modules .pth files import) comes from its own directories
+    python = (f'#!/bin/sh\n{here}\nGLMJAX_PYTHONPATH="${{PYTHONPATH-}}" PYTHONPATH="$d/../guard" PYTHONNOUSERSITE=1 '
               f'exec {interpreter} "$@"\n')
-    scripts = {"python": python, "python3": python, "pytest": f'#!/bin/sh\n{here}\nexec "$d/python3" -m pytest "$@"\n'}
-    scripts["py.test"] = scripts["pytest"]
+    # pytest's console script, as pip writes it, puts nothing of the working directory on sys.path (-P)
+    pytest = f'#!/bin/sh\n{here}\nexec "$d/python3" -P -c {shlex.quote(_PYTEST_MAIN)} "$@"\n'
+    scripts = {"python": python, "python3": python, "pytest": pytest, "py.test": pytest}
     for tool in STAND_INS:
         scripts[tool] = f'#!/bin/sh\n{here}\nexec {interpreter} -Es "$d/../lib/host_tools.py" "$0" "$@"\n'
     for name, text in scripts.items():

@@ -88,7 +88,7 @@ What is enforced, and how (``probe()`` says which of these this machine allows;
   ``/app`` are handed back to the agent's uid. Without user namespaces
   (``verifier="agent-uid"``) it runs as the agent's uid.
 - **Tools.** ``/glmjax`` holds what a task image would have installed
-  (``envs/image/host_tools.py``): ``python3``/``python`` (the host interpreter, with pytest),
+  (``envs/image/host_tools.py``): ``python3``/``python`` (the host interpreter, with pytest: never the agent's copies),
   ``pytest``, and stand-ins for ``apt-get``, ``pip``, ``uv`` and ``uvx`` that resolve
   installs against the host; its ``bin/`` is first on PATH.
 - **Environment.** Commands see only ``PATH``, ``HOME=/tmp``, ``TMPDIR=/tmp``, a UTF-8
