@@ -69,6 +69,16 @@ _ALIASES = {  # apt package -> the commands (or "/path" files, "py:module" modul
     "asciinema": (),  # Terminal-Bench's harness records sessions with it; tasks never use it
 }
 _REQUIREMENT = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9._-]*)\s*(\[[^]]*\])?\s*(.*)$")
+# what envs/image/packages.py fetched into the task's layer, at their paths in the sandbox
+SITE = "/opt/glmjax/python/site-packages"  # python packages, before the interpreter's own on sys.path
+DEBIAN_STATUS = "/opt/glmjax/debian/status"  # Debian packages unpacked into the layer (dpkg's format)
+PYPI_NAMES = {  # Debian's python3-X -> the PyPI distribution, where X is not its name
+    "yaml": "PyYAML", "bs4": "beautifulsoup4", "dateutil": "python-dateutil", "pil": "pillow",
+    "sklearn": "scikit-learn", "jwt": "PyJWT", "opencv": "opencv-python", "crypto": "pycryptodome",
+    "serial": "pyserial", "magic": "python-magic", "dotenv": "python-dotenv", "docx": "python-docx",
+    "pptx": "python-pptx", "levenshtein": "Levenshtein", "tz": "pytz", "zmq": "pyzmq", "gi": "PyGObject",
+    "usb": "pyusb", "nacl": "PyNaCl", "openssl": "pyOpenSSL", "jose": "python-jose", "ldap": "python-ldap",
+}
 PYTHON_VERSION = ".".join(map(str, sys.version_info[:3]))
 
 
@@ -83,6 +93,20 @@ def _normal(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def _distribution(name: str) -> importlib.metadata.Distribution:
+    """The distribution ``name`` as the sandbox's python sees it: the layer's (``SITE``) first."""
+    for dist in importlib.metadata.distributions(name=name, path=[SITE]) if os.path.isdir(SITE) else ():
+        return dist
+    return importlib.metadata.distribution(name)
+
+
+def pypi_name(debian: str) -> str | None:
+    """The PyPI distribution of Debian's ``python3-X`` (None for another package)."""
+    if not debian.startswith("python3-") or len(debian) <= 8:
+        return None
+    return PYPI_NAMES.get(debian[8:], debian[8:])
+
+
 def python_package(requirement: str) -> tuple[str | None, str]:
     """(missing name or None, a note) for one requirement (``pytest==8.4.1``, ``numpy>=2``)."""
     found = _REQUIREMENT.match(requirement)
@@ -92,13 +116,14 @@ def python_package(requirement: str) -> tuple[str | None, str]:
     if _normal(name) in ("uv", "pip", "setuptools", "wheel"):
         return None, f"{name}: provided by the sandbox"
     try:
-        version = importlib.metadata.version(name)
+        dist = _distribution(name)
     except importlib.metadata.PackageNotFoundError:
         return name, f"python package {name} is not installed for the sandbox's python ({sys.executable})"
+    version, where = dist.version, " in the layer" if str(dist.locate_file("")).startswith(SITE) else ""
     pinned = re.fullmatch(r"==\s*([^,;\s]+)", spec)
     if pinned and pinned.group(1) != version:
-        return None, f"{name}: {version} present ({pinned.group(1)} asked)"
-    return None, f"{name} {version} present"
+        return None, f"{name}: {version} present{where} ({pinned.group(1)} asked)"
+    return None, f"{name} {version} present{where}"
 
 
 def command(name: str, path: str | None = None) -> str | None:
@@ -115,19 +140,28 @@ def _dpkg_installed(name: str) -> str | None:
     return version if result.returncode == 0 and status == "installed" else None
 
 
+def layer_debian(status: str = DEBIAN_STATUS) -> dict[str, str]:
+    """{package: version} of the Debian packages unpacked into the layer (``DEBIAN_STATUS``)."""
+    text = _read_text(status) or ""
+    stanzas = [dict(re.findall(r"^([\w-]+):\s*(.*)$", s, re.M)) for s in text.split("\n\n")]
+    return {s["Package"]: s.get("Version", "") for s in stanzas if "Package" in s}
+
+
 def apt_package(name: str, path: str | None = None) -> tuple[str | None, str]:
     """(missing name or None, a note) for one system package (``jq``, ``python3-numpy=1:1.24``)."""
     name = name.split("=")[0].split(":")[0]
     needs = _ALIASES.get(name)
-    if needs is None and name.startswith("python3-") and len(name) > 8:
+    if needs is None and pypi_name(name):
         # the sandbox's python3 is the host interpreter, not the system python dpkg serves
-        module = name[8:]
-        if importlib.util.find_spec(module.replace("-", "_")) is not None or python_package(module)[0] is None:
+        module, dist = name[8:], pypi_name(name)
+        if importlib.util.find_spec(module.replace("-", "_")) is not None or python_package(dist)[0] is None:
             return None, f"{name}: python module {module} present"
         return name, f"{name}: python module {module} is not installed for the sandbox's python3 ({sys.executable})"
-    version = _dpkg_installed(name)
+    version, where = _dpkg_installed(name), "on the host"
+    if not version:
+        version, where = layer_debian().get(name), "in the layer"
     if version:
-        return None, f"{name} {version} installed on the host"
+        return None, f"{name} {version} installed {where}"
     needs = (name,) if needs is None else needs
     for need in needs:
         if need.startswith("/"):
@@ -295,7 +329,7 @@ def pytest_plugins(requirements) -> list[str]:
     for requirement in requirements:
         found = _REQUIREMENT.match(requirement)
         try:
-            points = importlib.metadata.distribution(found.group(1)).entry_points if found else ()
+            points = _distribution(found.group(1)).entry_points if found else ()
         except importlib.metadata.PackageNotFoundError:
             continue
         plugins += [ep.value.split(":")[0] for ep in points if ep.group == "pytest11"]

@@ -54,16 +54,22 @@ def test_install_steps_are_resolved_and_only_offline_ones_replaced():
     assert scan.script.splitlines()[3:5] == ["true", "true"] and "apt-get install -y jq" in scan.script
     assert not any("glmjax-no-such-tool" in i.command for i in scan.installs)  # comments are not scanned
     notes = [n for i in scan.installs for n in i.notes]
-    assert any(n.startswith("jq ") for n in notes) and any("pytest" in n and "8.4.1 asked" in n for n in notes)
+    assert any(n.startswith("jq ") for n in notes)
+    # a pin the host has at another version is fetched, so that the pin wins in the sandbox
+    assert scan.python == ["pytest==8.4.1"] and scan.debian == []
 
-    bad = installs.scan("apt-get install -y glmjax-no-such-tool\nnpm install left-pad\n"
-                        "git clone https://example.com/r.git\n", "environment/Dockerfile line 2")
-    assert [i.missing for i in bad.installs] == [("glmjax-no-such-tool",), ("npm install",),
-                                                 ("https://example.com/r.git",)]
-    assert bad.unsupported.startswith("environment/Dockerfile line 2: `apt-get install -y glmjax-no-such-tool`: "
-                                      "glmjax-no-such-tool is not on this host")
+    bad = installs.scan("apt-get install -y glmjax-no-such-tool python3-glmjax-nope\nnpm install left-pad\n"
+                        "git clone https://example.com/r.git\npip install ./vendor/pkg\n",
+                        "environment/Dockerfile line 2")
+    assert [i.missing for i in bad.installs] == [(), ("npm install",), ("https://example.com/r.git",),
+                                                 ("./vendor/pkg (a local path or URL)",)]
+    assert bad.debian == ["glmjax-no-such-tool"] and bad.python == ["glmjax-nope"]  # fetched at build time
+    assert bad.unsupported.startswith("environment/Dockerfile line 2: `npm install left-pad`: npm installs from the "
+                                      "network (and 2 more install steps)")
     reqs = installs.scan("pip install -r requirements.txt", "RUN", read=lambda p: "numpy\nglmjax-nope==1\n")
-    assert reqs.installs[0].missing == ("glmjax-nope",)
+    assert reqs.installs[0].missing == () and reqs.python == ["numpy", "glmjax-nope==1"]
+    assert installs.wanted([i.to_dict() for i in bad.installs + reqs.installs]) == (
+        ["glmjax-nope", "numpy", "glmjax-nope==1"], ["glmjax-no-such-tool"])
 
 
 def _write_context(tmp_path, dockerfile_text, files):
