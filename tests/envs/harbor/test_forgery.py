@@ -97,10 +97,11 @@ def _task(verifier: str) -> HarborTask:
                       verifier_timeout=30.0)
 
 
-def _episode(verifier: str, command: str) -> tuple[float, dict]:
+def _episode(verifier: str, command: str, check: str | None = None) -> tuple[float, dict]:
+    task = _task(verifier)
     env = ShellEnv(max_turns=2)
     try:
-        env.reset(_task(verifier))
+        env.reset(task if check is None else task.replace(tests={**task.tests, "test_outputs.py": check}))
         _, reward, done, info = env.step(f"<bash>{command}</bash><submit/>")
         assert done and "error" not in info, info
         return reward, info
@@ -132,6 +133,13 @@ def test_no_shadowing_route_scores(verifier):
         files.update(route)
     reward, info = _episode(verifier, _files(files) + " && echo 41 > /app/answer.txt")
     assert reward == 0.0, (sorted(SHADOWS), verifier, info)
+
+
+def test_pytests_console_script_leaves_the_working_directory_off_sys_path():
+    """As in the task's image, where uvx and uv run start pytest's console script: a test that
+    imports the agent's module without adding /app fails (python3 -m pytest finds it)."""
+    reward, info = _episode("uvx_pytest", HONEST["uvx_pytest"], check=IMPORTS_FROM_CWD)
+    assert reward == 0.0, info
 
 
 def test_the_planted_hooks_would_work_without_the_verifier_environment():
