@@ -415,6 +415,11 @@ def _entries(value):
 
 _HERE = os.path.dirname(_abs(__file__))
 _TESTS = _abs(os.environ.get("TEST_DIR", "/tests"))
+# the task layer's python packages (envs/image/packages.py; host_tools.SITE): after the standard library and
+# before the interpreter's own site-packages, so that a version the task pins wins; trusted as those are
+_SITE = "/opt/glmjax/python/site-packages"
+if os.path.isdir(_SITE) and _SITE not in sys.path:
+    sys.path.insert(next((i for i, p in enumerate(sys.path) if str(p).endswith("-packages")), len(sys.path)), _SITE)
 # the interpreter's own directories; a python started without the tools' wrapper has PYTHONPATH's there too
 _TRUSTED = {_abs(p) for p in sys.path if isinstance(p, str)} - (set(_entries(os.environ.get("PYTHONPATH"))) - {_HERE})
 _asked = os.environ.pop("GLMJAX_PYTHONPATH", None)  # PYTHONPATH as the command gave it to the wrapper
