@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import random
+import threading
 
 from tqdm.auto import tqdm
 
@@ -252,11 +253,26 @@ ENV_BACKENDS = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+_POOLS: dict = {}  # env section -> its pool
+_POOLS_LOCK = threading.Lock()  # the first calls come from the environment threads at once
+
+
 def env_workers(e) -> InProcess | RayWorkers:
     """The pool of `env.backend` for the env section `e`: one per process, shared by the
-    job's rollouts, evaluations and demonstrations (Ray's workers end with the process)."""
-    return ENV_BACKENDS[e.backend](e)
+    job's rollouts, evaluations and demonstrations (Ray's workers end with the process, or
+    at `close_env_workers`)."""
+    with _POOLS_LOCK:
+        if e not in _POOLS:
+            _POOLS[e] = ENV_BACKENDS[e.backend](e)
+        return _POOLS[e]
+
+
+def close_env_workers() -> None:
+    """Ends every pool `env_workers` made (and a Ray that one of them started)."""
+    with _POOLS_LOCK:
+        for pool in _POOLS.values():
+            pool.close()
+        _POOLS.clear()
 
 
 def make_env(cfg, action_format_: str | None = None) -> ShellEnv | RemoteEnv:

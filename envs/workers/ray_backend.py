@@ -32,6 +32,7 @@ imported only here, when a pool starts, so nothing else needs it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import ipaddress
 import itertools
@@ -126,13 +127,31 @@ def connect(address: str = "") -> bool:
         # Ray turns token authentication on for a cluster it starts; a token of its own, in
         # the environment its processes inherit, keeps Ray from writing a shared one to ~/.ray
         os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(32))
-        ray.init(address="local", _node_ip_address=LOOPBACK, **args)
+        args.update(address="local", _node_ip_address=LOOPBACK)
     elif address != "auto" and _loopback(address):  # a cluster bound to loopback: this process joins as such
         host = address.rpartition(":")[0].strip("[]")
-        ray.init(address=address, _node_ip_address=LOOPBACK if host in ("localhost", "127.0.0.1") else host, **args)
+        args.update(address=address, _node_ip_address=LOOPBACK if host in ("localhost", "127.0.0.1") else host)
     else:
-        ray.init(address=address, **args)
-    return True
+        args.update(address=address)
+    if threading.current_thread() is threading.main_thread():
+        ray.init(**args)
+        return True
+    # The processes of a Ray started here die with the thread that starts them (Ray sets
+    # PR_SET_PDEATHSIG, which follows the thread), and the first episode's reset comes from
+    # one of the environment threads: a thread that lasts as long as the process starts it.
+    started: concurrent.futures.Future = concurrent.futures.Future()
+
+    def init_and_stay():
+        try:
+            ray.init(**args)
+        except BaseException as err:
+            started.set_exception(err)
+            return
+        started.set_result(True)
+        threading.Event().wait()
+
+    threading.Thread(target=init_and_stay, name="glmjax-ray", daemon=True).start()
+    return started.result()
 
 
 class RayWorkers:

@@ -182,9 +182,12 @@ def test_a_killed_agentic_run_resumes(tmp_path):
 def test_the_agentic_job_trains_on_a_harbor_directory(tmp_path):
     """`--config.task.harbor_dir=DIR`: the tasks are DIR's, each checked before it trains;
     line-count-weak's verifier fails the checks and clip-audio needs ffmpeg, which this host
-    lacks: both are excluded and counted by status."""
+    lacks: both are excluded and counted by status. The episodes' sandboxes live on two Ray
+    workers of a private Ray (`env.backend=ray`), which get the tasks by value."""
     cmd = _cmd(tmp_path)[:3] + ["--config", str(REPO / "configs" / "sao_agent_tiny.py"), "--workdir", str(tmp_path),
                                 *AGENT, f"--config.task.harbor_dir={REPO / 'tests' / 'harbor_tasks'}",
+                                "--config.env.backend=ray", "--config.env.ray_workers=2",
+                                "--config.env.ray_worker_cpus=0.5",
                                 "--config.model.max_position_embeddings=768", "--config.task.max_len=768",
                                 "--config.model.index_topk=768", "--config.base.seq_len=768",
                                 "--config.rl.steps=2", "--config.eval.matrix_tasks=2"]
@@ -197,6 +200,7 @@ def test_the_agentic_job_trains_on_a_harbor_directory(tmp_path):
     assert summary["excluded_tasks"] == dict(excluded)
     passed = sum(s == "pass" for s in statuses.values())
     assert summary["steps"] == 2 and summary["train_tasks"] + summary["heldout_tasks"] == passed
+    assert "env_worker_lost" not in summary["dropped"]
 
 
 def test_the_job_on_a_mesh_trains_as_on_one_device(tmp_path, uninterrupted_run):

@@ -125,8 +125,7 @@ def ray_job(cluster):
     pool = rl_tasks.env_workers(job.env)
     _await(lambda: len([n for n in ray.nodes() if n["Alive"]]) == 2, "the second node")
     yield job, pool, {n["NodeID"] for n in ray.nodes() if n["Alive"]}
-    pool.close()
-    rl_tasks.env_workers.cache_clear()
+    rl_tasks.close_env_workers()
 
 
 def _script(task) -> list[str]:
