@@ -51,6 +51,7 @@ import struct
 import subprocess
 import tempfile
 import time
+from typing import NamedTuple
 
 UID_BASE = 420000
 UID_SPAN = 4096  # agent uids UID_BASE + [0, SPAN); each one's verifier uid is SPAN above it
@@ -74,6 +75,9 @@ _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}
 # CHOWN DAC_OVERRIDE FOWNER FSETID KILL SETGID SETUID SETPCAP NET_BIND_SERVICE NET_RAW SYS_CHROOT MKNOD
 # AUDIT_WRITE SETFCAP. Held in a namespace that owns nothing but itself, they reach only its two uids' files.
 _VERIFIER_CAPS = frozenset({0, 1, 3, 4, 5, 6, 7, 8, 10, 13, 18, 27, 29, 31})
+# What a build step's root keeps of them (``Plan(build_caps=...)``): no MKNOD, NET_RAW or AUDIT_WRITE, and never
+# SYS_ADMIN (it cannot mount), SYS_MODULE, SYS_PTRACE, SYS_BOOT, SYS_TIME or DAC_READ_SEARCH.
+BUILD_CAPS = frozenset({0, 1, 3, 4, 5, 6, 7, 8, 10, 18, 31})
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -148,6 +152,70 @@ def _under(path: str, top: str) -> bool:
     return path == top or path.startswith(top.rstrip("/") + "/")
 
 
+class Overlay(NamedTuple):
+    """An overlay filesystem as the source of a mount (``Plan``'s ``mounts``): ``lowers``,
+    the top one first, read-only; with ``upper`` and ``work`` (two directories of one
+    filesystem) writes land in ``upper``, whiteouts included. Mounted at ``/`` it is the
+    root itself (a build step's: ``envs/sandbox/build.py``), whose mount points go in the
+    lowest layer so that only what the command writes lands in ``upper``."""
+
+    lowers: tuple[str, ...]
+    upper: str | None = None
+    work: str | None = None
+
+    def options(self) -> str:
+        bad = [p for p in (*self.lowers, self.upper, self.work) if p and re.search(r"[:,\\\s]", p)]
+        if bad:
+            raise ValueError(f"overlay layers must be paths without ':', ',', '\\' or spaces, got {bad[0]!r}")
+        # index off: several sandboxes mount the same layers; no redirects or metacopy, so that
+        # a layer written here reads the same in any later overlay
+        text = f"lowerdir={':'.join(self.lowers)},index=off,redirect_dir=off,metacopy=off"
+        return text + (f",upperdir={self.upper},workdir={self.work}" if self.upper else "")
+
+
+class Symlink(NamedTuple):
+    """A symbolic link as the source of a mount (``Plan``'s ``mounts``): made in the new
+    root, resolved inside it."""
+
+    target: str
+
+
+def _mount_point(base: str, source, inside: str) -> None:
+    """Make what ``source`` is mounted on at ``base + inside``: a directory, an empty file
+    for a file, or the link itself for a ``Symlink``."""
+    path = base + inside
+    if isinstance(source, Symlink) or (isinstance(source, str) and not os.path.isdir(source)):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if not os.path.lexists(path):
+            if isinstance(source, Symlink):
+                os.symlink(source.target, path)
+            else:
+                open(path, "w").close()
+    else:
+        os.makedirs(path, exist_ok=True)
+
+
+def _mount_overlay(layers: Overlay, target: str, writable: bool) -> None:
+    flags = _MS_NOSUID | _MS_NODEV | (0 if writable and layers.upper else _MS_RDONLY)
+    mount("overlay", target, "overlay", flags, layers.options())
+
+
+def root_layout() -> dict[str, str]:
+    """What a sandbox's new root holds at each path an image's layer may add to: "host" (a
+    host directory, bound read-only), "dir" (an empty directory of the root's own) or
+    "link" (a symbolic link of the host's, such as ``/bin`` -> ``usr/bin``)."""
+    layout = {"/": "dir", "/var": "dir", "/var/lib": "dir", **{p: "dir" for p in _EMPTY_DIRS}}
+    for name in _SYSTEM_DIRS:
+        path = f"/{name}"
+        if os.path.islink(path):
+            layout[path] = "link"
+        elif os.path.isdir(path):
+            layout[path] = "host"
+    layout.update({path: "host" for path in _VAR_BINDS if os.path.isdir(path)})
+    layout["/var/tmp"] = "link"
+    return layout
+
+
 class Plan:
     """Everything the child does before exec, computed in the parent (the child of a
     threaded process should only make system calls)."""
@@ -155,9 +223,13 @@ class Plan:
     def __init__(self, *, root: str, uid: int | None, network_ns: bool, chroot: bool, pid_ns: bool,
                  rlimits: list[tuple[int, int]], cwd: str, mounts: tuple[tuple[str, str, bool], ...] = (),
                  hidden: tuple[str, ...] = (), cgroup_procs: tuple[str, ...] = (), ipc_ns: bool = False,
-                 verifier_of: int | None = None, enter: int | None = None):
+                 verifier_of: int | None = None, enter: int | None = None,
+                 build_caps: frozenset[int] | None = None):
         """``root``: an empty directory, the new root's mount point; ``mounts``: (host
-        directory, path inside, writable) binds after the system's, in order; ``hidden``:
+        directory, path inside, writable) binds after the system's, in order; the source may
+        also be a file, an ``Overlay`` (one at ``/`` is the root itself, writable) or a
+        ``Symlink``; ``build_caps``: a build step's plan (``envs/sandbox/build.py``), which
+        stays root with only these capabilities (``_limit_build``); ``hidden``:
         host paths masked where a system bind would show them; ``cgroup_procs``: the
         ``cgroup.procs`` files of the groups the command joins; ``verifier_of``: the agent's
         uid, for a verifier command running as ``uid`` (needs ``pid_ns`` and ``chroot``);
@@ -171,6 +243,12 @@ class Plan:
         self.root, self.uid, self.network_ns, self.chroot, self.cwd = root, uid, network_ns, chroot, cwd
         self.pid_ns, self.rlimits, self.mounts, self.cgroup_procs = pid_ns, rlimits, mounts, cgroup_procs
         self.ipc_ns, self.verifier_of = ipc_ns, verifier_of
+        self.root_layer = next((host for host, inside, _ in mounts if inside == "/" and isinstance(host, Overlay)),
+                               None)
+        self.mounts = tuple(m for m in mounts if m[1] != "/")
+        if build_caps is not None and not (pid_ns and chroot and verifier_of is None):
+            raise ValueError("a build step's plan needs a PID namespace and its own root")
+        self.build_caps = build_caps
         self.system = [(f"/{d}", os.path.islink(f"/{d}") and os.readlink(f"/{d}")) for d in _SYSTEM_DIRS
                        if os.path.lexists(f"/{d}")]
         self.var = [path for path in _VAR_BINDS if os.path.isdir(path)]
@@ -182,6 +260,12 @@ class Plan:
             if any(_under(p, top) and p != top for top in tops) and not any(_under(n, p) for n in needed)))
         self.devices = [d for d in _DEVICES if os.path.exists(f"/dev/{d}")]
         self.proc_options = "hidepid=2" if _kernel_at_least(5, 8) else None
+        if build_caps is not None:  # root's /proc: its processes only, no /proc/sys or /proc/sysrq-trigger to write
+            if self.proc_options is None:
+                raise OSError("a build step's /proc needs subset=pid (Linux 5.8 or later)")
+            self.proc_options += ",subset=pid"
+            with open("/proc/sys/kernel/cap_last_cap") as f:
+                self.drop_build_caps = [cap for cap in range(int(f.read()) + 1) if cap not in build_caps]
         self.pivot_root = _SYS_PIVOT_ROOT.get(platform.machine())
         if chroot and self.pivot_root is None:
             raise OSError(f"pivot_root's system call number on {platform.machine()} is not known here")
@@ -289,28 +373,28 @@ class Plan:
     def _build_root(self) -> None:
         new = self.root
         mount(None, "/", None, _MS_REC | _MS_PRIVATE)
-        mount("tmpfs", new, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=1m,mode=755")
+        if self.root_layer is None:
+            mount("tmpfs", new, "tmpfs", _MS_NOSUID | _MS_NODEV, "size=1m,mode=755")
+            self._mount_points(new)
+        else:
+            self._mount_points(self.root_layer.lowers[-1])
+            _mount_overlay(self.root_layer, new, writable=True)
         for path, link in self.system:
-            if link:
-                os.symlink(link, new + path)
-            elif os.path.isdir(path):
-                os.mkdir(new + path)
+            if not link and os.path.isdir(path):
                 _bind(path, new + path, read_only=True)
-        for skeleton in _EMPTY_DIRS:  # where images have directories: present, empty, read-only
-            os.makedirs(new + skeleton, mode=0o755)
-        os.symlink("/tmp", new + "/var/tmp")
         for path in self.var:
-            os.makedirs(new + path, mode=0o755)
             _bind(path, new + path, read_only=True)
         for host, inside, writable in self.mounts:
-            os.makedirs(new + inside, exist_ok=True)
+            _mount_point(new, host, inside)  # a mount nested in an earlier one needs its point in that one
             if os.path.realpath(new + inside) != os.path.realpath(new) + inside:  # a link the agent left in /tmp
                 raise OSError(f"the mount point {inside} is reached through a symbolic link")
-            _bind(host, new + inside, read_only=not writable)
+            if isinstance(host, Overlay):
+                _mount_overlay(host, new + inside, writable)
+            elif not isinstance(host, Symlink):
+                _bind(host, new + inside, read_only=not writable)
         for path in self.hidden:
             if os.path.isdir(new + path):
                 mount("tmpfs", new + path, "tmpfs", _MS_NOSUID | _MS_NODEV | _MS_RDONLY, "size=4k,mode=755")
-        os.mkdir(new + "/dev")
         mount("tmpfs", new + "/dev", "tmpfs", _MS_NOSUID, "size=64k,mode=755")
         for device in self.devices:
             open(f"{new}/dev/{device}", "w").close()
@@ -321,7 +405,36 @@ class Plan:
         os.mkdir(new + "/dev/shm")
         mount("tmpfs", new + "/dev/shm", "tmpfs", _MS_NOSUID | _MS_NODEV, "size=16m,mode=1777")
         mount(None, new + "/dev", None, _MS_REMOUNT | _MS_NOSUID | _MS_RDONLY)
-        os.mkdir(new + "/proc")
+        if self.build_caps is not None:
+            self._limit_build()
+
+    def _mount_points(self, base: str) -> None:
+        """The directories, files and links the new root's mounts need, made under ``base``
+        (the new root's tmpfs, or the lowest layer of a build step's root, where making
+        them leaves the layer the step writes untouched)."""
+        for path, link in self.system:
+            if link and not os.path.lexists(base + path):
+                os.symlink(link, base + path)
+            elif not link and os.path.isdir(path):
+                os.makedirs(base + path, exist_ok=True)
+        for skeleton in _EMPTY_DIRS:  # where images have directories: present, empty, read-only
+            os.makedirs(base + skeleton, mode=0o755, exist_ok=True)
+        if not os.path.lexists(base + "/var/tmp"):
+            os.symlink("/tmp", base + "/var/tmp")
+        for path in self.var:
+            os.makedirs(base + path, mode=0o755, exist_ok=True)
+        for host, inside, _ in self.mounts:
+            _mount_point(base, host, inside)
+        for path in ("/dev", "/proc"):
+            os.makedirs(base + path, exist_ok=True)
+
+    def _limit_build(self) -> None:
+        """A build step runs as root, as Docker's RUN does; from its exec on it holds only
+        ``build_caps`` and gains nothing more (NO_NEW_PRIVS). The bounding set limits what
+        the exec grants, so dropping it here leaves ``_enter_root`` its CAP_SYS_ADMIN."""
+        for cap in self.drop_build_caps:
+            _check(_libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0), f"prctl(CAPBSET_DROP, {cap})")
+        _check(_libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
 
     def _enter_root(self) -> None:
         """Mount /proc (from inside the new PID namespace, so it shows only the sandbox's
@@ -329,7 +442,8 @@ class Plan:
         root, so that nothing of the host's tree is left in this mount namespace."""
         new = self.root
         mount("proc", new + "/proc", "proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, self.proc_options)
-        mount(None, new, None, _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
+        if self.root_layer is None:  # a build step's root is its layer, written through
+            mount(None, new, None, _MS_REMOUNT | _MS_RDONLY | _MS_NOSUID | _MS_NODEV)
         os.chdir(new)
         _check(_libc.syscall(self.pivot_root, b".", b"."), "pivot_root")  # the old root now sits on top of "."
         unmount(".")

@@ -129,7 +129,7 @@ import threading
 from typing import Mapping
 
 from envs.image import host_tools
-from envs.sandbox import cgroup, isolation, launcher, tree
+from envs.sandbox import cgroup, isolation, launcher, layers, tree
 from envs.sandbox.isolation import VIRTUAL_DIRS, Isolation, Plan, claim_uid
 
 __all__ = ["Isolation", "Limits", "RunResult", "Sandbox", "SandboxError", "VIRTUAL_DIRS", "probe"]
@@ -317,10 +317,13 @@ class Sandbox:
     (a task's source) that must not show through the system binds. ``isolation`` says
     what this sandbox actually has. ``per_command``: each agent command makes its
     namespaces and root afresh, in place of entering the episode's (``Isolation.entry``).
+    ``layer``: an image's layer (``envs/sandbox/build.py`` builds it), laid read-only over
+    the root (``envs/sandbox/layers.py``); it needs ``filesystem="chroot"``.
     """
 
     def __init__(self, *, limits: Limits = Limits(), network: str = "none", filesystem: str = "auto",
-                 base_dir: str | None = None, hide: tuple[str, ...] = (), per_command: bool = False):
+                 base_dir: str | None = None, hide: tuple[str, ...] = (), per_command: bool = False,
+                 layer: str | None = None):
         if network not in ("none", "host"):
             raise ValueError(f"network must be 'none' or 'host', got {network!r}")
         if filesystem not in ("auto", "chroot", "plain"):
@@ -334,6 +337,9 @@ class Sandbox:
             raise SandboxError("mount namespaces are refused here; use filesystem='plain' or 'auto'")
         self.filesystem = avail.filesystem if filesystem == "auto" else filesystem
         chroot = self.filesystem == "chroot"
+        if layer and not chroot:
+            raise SandboxError(f"an image's layer ({layer}) is laid over a sandbox's own root, and mount "
+                               f"namespaces are refused here ({'; '.join(avail.notes)})")
         self.limits = limits
         self.isolation = dataclasses.replace(
             avail, network="netns" if network == "none" else "host", filesystem=self.filesystem,
@@ -376,6 +382,8 @@ class Sandbox:
             raise
         self.tools = TOOLS if chroot else tool_dir()
         self._binds = ((tool_dir(), TOOLS, False),) + _interpreter_binds() if chroot else ()
+        own = (*VIRTUAL_DIRS, "/logs/verifier", *(inside for _, inside, _ in self._binds))
+        self._layer = layers.graft(layer, skip=own) if layer else ()
         sandbox_dirs = (self.root, base_dir or tempfile.gettempdir())
         self._hidden = tuple(p for p in (*hide, *sandbox_dirs) if p)
         self._closed = False
@@ -468,6 +476,16 @@ class Sandbox:
             for path in [host] + [d for d in _parents(parent, self.host_path(_top(virtual)))]:
                 os.lchown(path, owner, owner)
 
+    def make_dir(self, virtual: str, mode: int = 0o755) -> None:
+        """A directory (and its parents) at ``virtual``, owned as ``write_file``'s files are."""
+        host = self._safe(virtual)
+        os.makedirs(host, exist_ok=True)
+        os.chmod(host, mode & 0o7777)
+        owner = self._owner(virtual)
+        if owner is not None:
+            for path in _parents(host, self.host_path(_top(virtual))):
+                os.lchown(path, owner, owner)
+
     def read_bytes(self, virtual: str, limit: int = 1 << 20) -> bytes | None:
         """A regular file's first ``limit`` bytes, or None when it is missing or not a regular file."""
         try:
@@ -503,7 +521,7 @@ class Sandbox:
         """The sandbox's directories as a command's new root holds them, then the read-only binds."""
         own = tuple((self.host_path(v), v, True) for v in ("/app", "/solution", "/logs", "/logs/verifier", "/tests"))
         tmp = os.path.join(self.root, *_VERIFIER_TMP) if verifier else self.host_path("/tmp")
-        return own + ((tmp, "/tmp", True),) + self._binds
+        return own + ((tmp, "/tmp", True),) + self._binds + self._layer
 
     def run(self, command: str, *, limits: Limits | None = None, cwd: str = "/app",
             env: Mapping[str, str] | None = None, stdin: str | None = None, verifier: bool = False) -> RunResult:

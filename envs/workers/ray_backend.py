@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 # which the kernel routes over the loopback device: a Ray of this machine only is told this one.
 LOOPBACK = "127.0.0.2"
 START_SECONDS = 120.0  # a worker not running by then (no node with its CPUs free) is an error
+CLOSE_SECONDS = 10.0  # for the open episodes' sandboxes to be removed when the pool closes
 
 
 class WorkerLost(RuntimeError):
@@ -94,6 +95,10 @@ class _Worker:
         env = self.envs.pop(key, None)
         if env is not None:
             env.close()
+
+    def close_all(self) -> None:
+        for key in list(self.envs):
+            self.close(key)
 
 
 @dataclasses.dataclass(eq=False)
@@ -227,8 +232,12 @@ class RayWorkers:
         return slot in self._live
 
     def close(self) -> None:
+        """Closes the open episodes' sandboxes (for up to ``CLOSE_SECONDS``), then ends the
+        workers, and the Ray this pool started."""
         import ray
 
+        closing = [s.actor.close_all.remote() for s in self._live]
+        ray.wait(closing, num_returns=len(closing), timeout=CLOSE_SECONDS)
         for s in self._live:
             ray.kill(s.actor)
         self._live = []
