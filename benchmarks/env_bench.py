@@ -109,6 +109,116 @@ print(json.dumps([wall, env_bench._busy_seconds() - busy]))
 """
 
 
+def _kernel_thread_seconds() -> float:
+    """CPU seconds of the kernel's own threads (a network namespace is torn down by a
+    kernel worker, after its command has returned)."""
+    total = 0
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == "2":  # children of kthreadd
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _process_seconds(*sandboxes) -> float:
+    """CPU seconds of this process, its waited-for children (the helpers, once closed), and
+    the sandboxes' anchors with the commands they started: those of ``sandboxes``, open,
+    and those closed (``anchor_cpu_seconds``)."""
+    import resource
+
+    from envs.sandbox.sandbox import anchor_cpu_seconds
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime + anchor_cpu_seconds()
+    return total + sum(anchor_cpu_seconds(box._anchor[0]) for box in sandboxes if box._anchor is not None)
+
+
+def entry_arm(commands: int, sandboxes: int, n: int, workers: int) -> dict:
+    """One arm of ``compare_entry``, in a process of its own whose ``GLMJAX_SANDBOX_ENTRY``
+    picks the arm. Each part: [wall seconds, CPU seconds of this process tree and the
+    kernel's threads, the machine's busy CPU seconds]."""
+    from envs.sandbox import launcher
+    from envs.sandbox.sandbox import Sandbox
+
+    episodes(4, 1)  # warm-up: the isolation probe, the tool directory, the page cache
+
+    def clocked(work, boxes=lambda: ()):
+        launcher.close()
+        busy, kernel, start = _busy_seconds(), _kernel_thread_seconds(), time.perf_counter()
+        mine = _process_seconds(*boxes())
+        work()
+        wall = time.perf_counter() - start
+        launcher.close()  # helpers counted once they have exited
+        time.sleep(0.5)  # a namespace's teardown by the kernel's workers
+        tree = _process_seconds(*boxes()) - mine + _kernel_thread_seconds() - kernel
+        return [wall, tree, _busy_seconds() - busy]
+
+    box = Sandbox()
+    box.run("true")
+
+    def run_commands() -> None:
+        for _ in range(commands):
+            box.run("true")
+
+    command = clocked(run_commands, lambda: (box,))
+    entry = box.isolation.entry
+    box.close()
+
+    def make_sandboxes() -> None:
+        for _ in range(sandboxes):
+            with Sandbox() as one:
+                one.run("true")
+
+    sandbox = clocked(make_sandboxes)
+    episode = clocked(lambda: episodes(n, workers))
+    return {"entry": entry, "command": command, "sandbox": sandbox, "episode": episode}
+
+
+def compare_entry(commands: int, sandboxes: int, n: int, workers: int, rounds: int) -> dict:
+    """Agent commands that enter the episode's namespaces against commands that make their
+    own (``GLMJAX_SANDBOX_ENTRY``), each arm a process of its own, the arms in turn,
+    ``rounds`` times: per arm, ``commands`` commands (``true``) in one sandbox, ``sandboxes``
+    sandboxes made, used once and closed, and ``n`` lookup episodes over ``workers`` threads
+    (``entry_arm``). CPU is counted for the arm's own processes and the kernel's threads,
+    so that what else runs on the machine does not enter it (the machine's busy time is
+    recorded beside it); medians over the rounds."""
+    import subprocess
+
+    def run(entry: str) -> dict:
+        code = (f"import json, sys; sys.path.insert(0, {str(REPO / 'benchmarks')!r}); import env_bench; "
+                f"print(json.dumps(env_bench.entry_arm({commands}, {sandboxes}, {n}, {workers})))")
+        out = subprocess.run([sys.executable, "-c", code], cwd=str(REPO), capture_output=True, text=True, check=True,
+                             env=dict(os.environ, GLMJAX_SANDBOX_ENTRY=entry))
+        found = json.loads(out.stdout.splitlines()[-1])
+        assert found["entry"] == entry, found
+        return found
+
+    arms = ("episode", "command")
+    runs = {arm: [] for arm in arms}
+    for _ in range(rounds):
+        for arm in arms:
+            runs[arm].append(run(arm))
+    result = {"commands": commands, "sandboxes": sandboxes, "episodes": n, "workers": workers,
+              "cpu": "CPU seconds of the arm's process tree (helpers, anchors, commands) and of the kernel's threads; "
+                     "busy: the whole machine's, whatever else ran"}
+    for arm in arms:
+        parts = {}
+        for name, count in (("command", commands), ("sandbox", sandboxes), ("episode", n)):
+            kept = [r[name] for r in runs[arm]]
+            wall, cpu = statistics.median(r[0] for r in kept), statistics.median(r[1] for r in kept)
+            parts[name] = {"per_second": count / wall, "wall_ms_per": 1e3 * wall / count, "cpu_ms_per": 1e3 * cpu / count,
+                           "busy_ms_per": 1e3 * statistics.median(r[2] for r in kept) / count,
+                           "cpu_over_wall": statistics.median(r[1] / r[0] for r in kept), "all_runs": kept}
+        parts["episode"]["episodes_per_second_per_core"] = n / statistics.median(r["episode"][1] for r in runs[arm])
+        result[arm] = parts
+    result["cpu_per_command_episode_over_command"] = (result["episode"]["command"]["cpu_ms_per"]
+                                                      / result["command"]["command"]["cpu_ms_per"])
+    return result
+
+
 def compare_episodes(baseline: str, n: int, workers: int, rounds: int) -> dict:
     """This checkout's episodes against ``baseline``'s, arms interleaved (module docstring)."""
     import subprocess
@@ -207,8 +317,17 @@ def main(argv=None):
     parser.add_argument("--ray-workers", default="1,2,4",
                         help="Ray environment worker counts whose episodes per second to time ('' for none)")
     parser.add_argument("--baseline", default=None, help="another glmjax checkout whose episodes to time beside these")
-    parser.add_argument("--rounds", type=int, default=5, help="runs of each arm with --baseline")
+    parser.add_argument("--rounds", type=int, default=5, help="runs of each arm with --baseline or --entry")
+    parser.add_argument("--entry", action="store_true",
+                        help="only the commands that enter the episode's namespaces beside those that make their own")
+    parser.add_argument("--commands", type=int, default=200, help="commands per arm with --entry")
+    parser.add_argument("--sandboxes", type=int, default=40, help="sandboxes per arm with --entry")
     args = parser.parse_args(argv)
+    if args.entry:
+        results = {"isolation": probe().describe(), "cpus": os.cpu_count(), "load_average": os.getloadavg(),
+                   "entry": compare_entry(args.commands, args.sandboxes, args.episodes, args.workers, args.rounds)}
+        _write(args.out, results)
+        return
     if args.baseline:  # one episode at a time, then --workers at once
         results = {"isolation": probe().describe(), "cpus": os.cpu_count(), "load_average": os.getloadavg()}
         for workers in dict.fromkeys((1, args.workers)):

@@ -21,10 +21,9 @@
    root verifier does, while the host's root-owned files (``/etc/shadow``,
    ``/proc/sysrq-trigger``) stay as closed as they are to any other user.
 
-An episode's agent commands skip steps 2-5: ``start_anchor`` makes the namespaces and the
-root once, in an *anchor* process that stays as init of that PID namespace, and a plan
-with ``enter`` joins them (``setns``), makes its own IPC namespace, and runs the command
-under a subreaper that kills what the command leaves behind.
+An episode's agent commands take none of these steps: ``Plan.anchor`` makes the namespaces
+and the root once, for an *anchor* process (``envs/sandbox/anchor.py``) that stays as init
+of that PID namespace and forks each command inside them.
 
 Everything the child needs is computed in the parent: the child of a threaded process
 should only make system calls.
@@ -44,7 +43,6 @@ import os
 import platform
 import re
 import resource
-import select
 import signal
 import socket
 import struct
@@ -68,7 +66,7 @@ _CLONE_NEWUSER, _CLONE_NEWPID, _CLONE_NEWNET = 0x10000000, 0x20000000, 0x4000000
 _MS_RDONLY, _MS_NOSUID, _MS_NODEV, _MS_NOEXEC = 1, 2, 4, 8
 _MS_REMOUNT, _MS_BIND, _MS_REC, _MS_PRIVATE = 32, 4096, 16384, 1 << 18
 _MNT_DETACH, _IPC_RMID = 2, 0
-_PR_CAPBSET_DROP, _PR_SET_CHILD_SUBREAPER, _PR_SET_NO_NEW_PRIVS = 24, 36, 38
+_PR_CAPBSET_DROP, _PR_SET_NO_NEW_PRIVS = 24, 38
 _SIOCSIFFLAGS, _IFF_UP_LOOPBACK_RUNNING = 0x8914, 0x1 | 0x8 | 0x40
 _SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41, "ppc64le": 203, "s390x": 217}
 # Docker's default capabilities for a container's root, which a verifier has inside its user namespace:
@@ -223,7 +221,7 @@ class Plan:
     def __init__(self, *, root: str, uid: int | None, network_ns: bool, chroot: bool, pid_ns: bool,
                  rlimits: list[tuple[int, int]], cwd: str, mounts: tuple[tuple[str, str, bool], ...] = (),
                  hidden: tuple[str, ...] = (), cgroup_procs: tuple[str, ...] = (), ipc_ns: bool = False,
-                 verifier_of: int | None = None, enter: int | None = None,
+                 verifier_of: int | None = None,
                  build_caps: frozenset[int] | None = None):
         """``root``: an empty directory, the new root's mount point; ``mounts``: (host
         directory, path inside, writable) binds after the system's, in order; the source may
@@ -232,14 +230,9 @@ class Plan:
         stays root with only these capabilities (``_limit_build``); ``hidden``:
         host paths masked where a system bind would show them; ``cgroup_procs``: the
         ``cgroup.procs`` files of the groups the command joins; ``verifier_of``: the agent's
-        uid, for a verifier command running as ``uid`` (needs ``pid_ns`` and ``chroot``);
-        ``enter``: the host pid of an episode's anchor (``start_anchor``), whose namespaces and
-        root the command enters in place of making its own (needs ``pid_ns`` and ``chroot``)."""
+        uid, for a verifier command running as ``uid`` (needs ``pid_ns`` and ``chroot``)."""
         if verifier_of is not None and not (pid_ns and chroot and uid is not None):
             raise ValueError("a verifier plan needs a uid, a PID namespace and its own root")
-        if enter is not None and not (pid_ns and chroot and verifier_of is None):
-            raise ValueError("a plan that enters an anchor's namespaces needs pid_ns and chroot, and is no verifier's")
-        self.enter = enter
         self.root, self.uid, self.network_ns, self.chroot, self.cwd = root, uid, network_ns, chroot, cwd
         self.pid_ns, self.rlimits, self.mounts, self.cgroup_procs = pid_ns, rlimits, mounts, cgroup_procs
         self.ipc_ns, self.verifier_of = ipc_ns, verifier_of
@@ -287,10 +280,7 @@ class Plan:
 
     def _prepare(self) -> None:
         self._join_cgroups()
-        if self.enter is not None:
-            self._enter_anchor()
-        else:
-            self._make_namespaces()
+        self._make_namespaces()
         if self.uid is not None:
             _check(_libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
         for which, value in self.rlimits:
@@ -312,21 +302,6 @@ class Plan:
             os.write(fd, str(os.getpid()).encode())
             os.close(fd)
 
-    def _enter_anchor(self) -> None:
-        """Join the anchor's network, UTS, PID and mount namespaces (its root, built once for
-        the episode), as ``docker exec`` joins a container's; then, as a command with
-        namespaces of its own would have, a new IPC namespace, and a reaper that kills what
-        the command leaves behind when it exits."""
-        fds = [os.open(f"/proc/{self.enter}/ns/{name}", os.O_RDONLY | os.O_CLOEXEC)
-               for name in ("net", "uts", "pid", "mnt")]  # all opened before the mount namespace changes
-        for fd in fds:
-            _check(_libc.setns(fd, 0), "setns")
-            os.close(fd)
-        if self.ipc_ns:
-            _check(_libc.unshare(_CLONE_NEWIPC), "unshare(CLONE_NEWIPC)")
-        _become_init(None)  # a child in the anchor's PID namespace (setns moves only the children)
-        _become_init(None, reap=True)
-
     def _make_namespaces(self) -> None:
         flags = ((_CLONE_NEWNET if self.network_ns else 0) | (_CLONE_NEWNS if self.chroot else 0)
                  | (_CLONE_NEWPID if self.pid_ns else 0) | (_CLONE_NEWIPC | _CLONE_NEWUTS if self.ipc_ns else 0))
@@ -342,16 +317,16 @@ class Plan:
         if self.chroot:
             self._enter_root()
 
-    def anchor(self, report: int, owner: int) -> None:
-        """Become an episode's anchor (run in a fork of a helper; never returns): make the
-        namespaces and the root that every command of the episode enters, then wait as
-        init of its PID namespace, reaping, until ``owner`` (the sandbox's process) exits or
-        the anchor is killed. ``report`` gets ``pid N`` (the anchor's host pid) and
-        ``ready``, or ``error ...``."""
-        owner_fd = os.pidfd_open(owner)
+    def anchor(self, report: int) -> None:
+        """Become an episode's anchor (in a fork of a helper; ``envs/sandbox/anchor.py``):
+        join the sandbox's cgroups, make the namespaces and the root, and fork the init of
+        the new PID namespace, which enters the root and returns; the parent writes
+        ``pid N`` (the anchor's host pid) to ``report`` and exits. Needs ``uid``."""
+        if self.uid is None:
+            raise ValueError("an anchor needs the sandbox's uid")
         self._join_cgroups()
         flags = _CLONE_NEWNS | _CLONE_NEWPID | (_CLONE_NEWNET if self.network_ns else 0) | (
-            _CLONE_NEWUTS if self.ipc_ns else 0)
+            _CLONE_NEWIPC | _CLONE_NEWUTS if self.ipc_ns else 0)
         _check(_libc.unshare(flags), "unshare")
         if self.ipc_ns:
             _check(_libc.sethostname(HOSTNAME, len(HOSTNAME)), "sethostname")
@@ -362,13 +337,14 @@ class Plan:
         if child:
             os.write(report, f"pid {child}\n".encode())
             os._exit(0)
-        try:
-            self._enter_root()
-        except BaseException as err:
-            os.write(report, f"error {type(err).__name__}: {err}\n".encode()[:4096])
-            os._exit(1)
-        os.write(report, b"ready\n")
-        _wait_as_anchor(owner_fd)
+        self._enter_root()
+        _check(_libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
+        # real ids the sandbox's, effective and saved root's: a command spawned with resetids is the sandbox's
+        # uid from its first instruction (anchor.py); the agent's uid may renice the anchor, never signal it (it
+        # is its PID namespace's init) nor trace it (its effective and saved ids are root's)
+        os.setgroups([])
+        os.setresgid(self.uid, 0, 0)
+        os.setresuid(self.uid, 0, 0)
 
     def _build_root(self) -> None:
         new = self.root
@@ -386,11 +362,13 @@ class Plan:
             _bind(path, new + path, read_only=True)
         for host, inside, writable in self.mounts:
             _mount_point(new, host, inside)  # a mount nested in an earlier one needs its point in that one
+            if isinstance(host, Symlink):
+                continue
             if os.path.realpath(new + inside) != os.path.realpath(new) + inside:  # a link the agent left in /tmp
                 raise OSError(f"the mount point {inside} is reached through a symbolic link")
             if isinstance(host, Overlay):
                 _mount_overlay(host, new + inside, writable)
-            elif not isinstance(host, Symlink):
+            else:
                 _bind(host, new + inside, read_only=not writable)
         for path in self.hidden:
             if os.path.isdir(new + path):
@@ -466,7 +444,7 @@ class Plan:
             _check(_libc.prctl(_PR_CAPBSET_DROP, cap, 0, 0, 0), f"prctl(CAPBSET_DROP, {cap})")
 
 
-def _become_init(user_map: bytes | None, *, reap: bool = False) -> tuple[int, int] | None:
+def _become_init(user_map: bytes | None) -> tuple[int, int] | None:
     """Fork after ``unshare(CLONE_NEWPID)``: the child, PID 1 of the new namespace, returns
     and goes on to exec the command; when it exits the kernel kills and reaps everything
     left in the namespace (no orphans, no zombies counted against the process limit).
@@ -474,13 +452,7 @@ def _become_init(user_map: bytes | None, *, reap: bool = False) -> tuple[int, in
     the child says when it has its namespace, and waits for them), then only to wait and
     pass on the exit status or signal; it closes every descriptor first, so
     ``subprocess`` sees the exec and the output's end. Returns the child's ends of the
-    two pipes (ready, go) when there is a map to write.
-
-    ``reap``: the parent, a child subreaper (``PR_SET_CHILD_SUBREAPER``), receives whatever
-    the child's processes leave behind, and before passing on the status kills it, until
-    nothing is left: as a PID namespace of the command's own would, within a shared one."""
-    if reap:
-        _check(_libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0), "prctl(CHILD_SUBREAPER)")
+    two pipes (ready, go) when there is a map to write."""
     pipes = (os.pipe2(os.O_CLOEXEC), os.pipe2(os.O_CLOEXEC)) if user_map else None
     host_proc = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC) if user_map else None
     child = os.fork()
@@ -513,86 +485,12 @@ def _become_init(user_map: bytes | None, *, reap: bool = False) -> tuple[int, in
             break
         except InterruptedError:
             continue
-    if reap:
-        _kill_children()
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
         signal.signal(sig, signal.SIG_DFL)
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
         os.kill(os.getpid(), sig)
     os._exit(os.WEXITSTATUS(status) if os.WIFEXITED(status) else 255)
-
-
-def _kill_children() -> None:
-    """SIGKILL this process's children and reap them, until it has none (the children of a
-    killed one are reparented here, this process being their subreaper)."""
-    children = f"/proc/self/task/{os.getpid()}/children"
-    while True:
-        with open(children) as f:
-            pids = [int(p) for p in f.read().split()]
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            while os.waitpid(-1, 0 if pids else os.WNOHANG)[0]:
-                pass
-        except ChildProcessError:
-            return
-
-
-def _wait_as_anchor(owner_fd: int) -> None:
-    """Init of an episode's PID namespace: reap what is reparented here, and exit (ending the
-    namespace and everything in it) when the owner's process does."""
-    wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-    keep = sorted((owner_fd, wake_r, wake_w))
-    os.closerange(0, keep[0])
-    for low, high in zip(keep, keep[1:] + [resource.getrlimit(resource.RLIMIT_NOFILE)[0]]):
-        os.closerange(low + 1, high)
-    signal.set_wakeup_fd(wake_w)
-    signal.signal(signal.SIGCHLD, lambda *_: None)
-    while True:
-        try:
-            ready = select.select([owner_fd, wake_r], [], [])[0]
-        except InterruptedError:
-            continue
-        if owner_fd in ready:
-            os._exit(0)
-        try:
-            os.read(wake_r, 4096)
-        except BlockingIOError:
-            pass
-        while True:
-            try:
-                if os.waitpid(-1, os.WNOHANG)[0] == 0:
-                    break
-            except ChildProcessError:
-                break
-
-
-def start_anchor(plan: Plan, owner: int) -> int:
-    """Fork an episode's anchor (``Plan.anchor``) from this process (a helper) and return its
-    host pid once its root is ready; raises OSError with the anchor's reason when it fails."""
-    read, write = os.pipe2(os.O_CLOEXEC)
-    child = os.fork()
-    if child == 0:
-        try:
-            os.close(read)
-            plan.anchor(write, owner)
-        except BaseException as err:
-            os.write(write, f"error {type(err).__name__}: {err}\n".encode()[:4096])
-        os._exit(1)
-    os.close(write)
-    chunks = []
-    while chunk := os.read(read, 4096):
-        chunks.append(chunk)
-    os.close(read)
-    os.waitpid(child, 0)
-    words = dict(line.split(" ", 1) if " " in line else (line, "") for line in b"".join(chunks).decode().splitlines())
-    if "error" in words or "ready" not in words or "pid" not in words:
-        raise OSError(f"the sandbox's namespaces could not be made: {words.get('error', 'no reply')}")
-    return int(words["pid"])
 
 
 def mount_tmpfs(path: str, size: int) -> None:
@@ -677,10 +575,11 @@ def claim_uid() -> tuple[int, int]:
     raise RuntimeError(f"all {UID_SPAN} sandbox uids from {UID_BASE} are in use")
 
 
-def remove_ipc(uids: tuple[int, ...]) -> int:
+def remove_ipc(uids: tuple[int, ...] | None) -> int:
     """Remove every System V shared-memory segment, semaphore set and message queue of this
-    IPC namespace that one of ``uids`` owns or made; returns how many. (A sandbox whose
-    commands share the host's IPC namespace, ``ipc="host"``, leaves its objects there.)"""
+    IPC namespace that one of ``uids`` (None: anyone) owns or made; returns how many. (A
+    sandbox whose commands share the host's IPC namespace, ``ipc="host"``, leaves its
+    objects there; an episode's anchor clears its own namespace's.)"""
     removed = 0
     for kind, column, rm in (("shm", "shmid", lambda i: _libc.shmctl(i, _IPC_RMID, None)),
                              ("sem", "semid", lambda i: _libc.semctl(i, 0, _IPC_RMID)),
@@ -692,7 +591,7 @@ def remove_ipc(uids: tuple[int, ...]) -> int:
             continue
         ident, owners = header.index(column), (header.index("uid"), header.index("cuid"))
         for row in rows:
-            if any(int(row[i]) in uids for i in owners) and rm(int(row[ident])) == 0:
+            if (uids is None or any(int(row[i]) in uids for i in owners)) and rm(int(row[ident])) == 0:
                 removed += 1
     return removed
 

@@ -27,7 +27,7 @@ import sys
 import threading
 import time
 
-from envs.sandbox import isolation
+from envs.sandbox import anchor, isolation
 
 _ENVS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the envs/ package's folder
 _HEADER = struct.Struct("<I")
@@ -129,7 +129,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
         pass
 
 
-_HANDLERS = {"run": _run, "kill_uids": isolation.kill_uids, "probe": isolation.probe, "anchor": isolation.start_anchor}
+_HANDLERS = {"run": _run, "kill_uids": isolation.kill_uids, "probe": isolation.probe, "anchor": anchor.start}
 
 
 def _read_exactly(f, n: int) -> bytes | None:

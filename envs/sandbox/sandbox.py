@@ -29,18 +29,22 @@ What is enforced, and how (``probe()`` says which of these this machine allows;
   files and processes together stay under ``memory_bytes``. ``RLIMIT_FSIZE`` still caps
   each file at ``Limits.file_bytes``.
 - **One set of namespaces per episode** (``entry="episode"``, where mount and PID
-  namespaces are allowed; ``Sandbox(per_command=True)`` gives ``"command"``). The first
-  agent command makes the episode's network, UTS, mount and PID namespaces and its root
-  (below), held by an *anchor* process (init of that PID namespace, which exits with the
-  sandbox's process); every agent command then enters them with ``setns``, as ``docker
-  exec`` enters a container, in place of making and tearing down its own (a network
-  namespace alone costs milliseconds of kernel time). What each command had of its own
-  is kept: a new IPC namespace, a reaper that kills what it leaves behind (below), and
-  ``/dev/shm`` emptied after it. The verifier still makes its own namespaces (its user
-  namespace, its ``/tmp`` and ``/tests``).
+  namespaces are allowed; ``Sandbox(per_command=True)`` or ``GLMJAX_SANDBOX_ENTRY=command``
+  gives ``"command"``). The first agent command makes the episode's network, UTS, IPC,
+  mount and PID namespaces and its root (below), joins its cgroup once, and leaves an
+  *anchor* there (``envs/sandbox/anchor.py``): init of that PID namespace, which starts
+  every agent command of the episode inside them, as a container's shim does for
+  ``docker exec``, and exits with the sandbox's process. A command is then one
+  ``posix_spawn`` of that small process (about a fifth of the CPU of a command that makes
+  its own namespaces: ``benchmarks/env_bench.py --entry``); it runs as the sandbox's uid
+  with no root id and no capability, and its limits are taken by its own bash before the
+  command is read (``anchor.LIMITS_SCRIPT``). What each command had of its own is kept
+  where it matters: when a command ends and no other runs, everything it left (processes,
+  System V IPC objects, ``/dev/shm`` files) is gone before its result returns. The
+  verifier still makes its own namespaces (its user namespace, its ``/tmp``, ``/tests``).
 - **Processes and wall clock.** Every command runs in its own session and, where the
   kernel allows (``processes="pidns"``), either as PID 1 of its own PID namespace (a
-  verifier, or ``entry="command"``) or under a subreaper of its own in the episode's
+  verifier, or ``entry="command"``) or in the episode's, whose init kills what it left
   (``entry="episode"``): when it exits everything it left behind is killed and reaped,
   so no orphan or zombie outlives it or counts against the next command's process
   limit, and ``/proc`` shows only the sandbox's processes. At the deadline every process of the sandbox's uids gets SIGKILL
@@ -48,10 +52,11 @@ What is enforced, and how (``probe()`` says which of these this machine allows;
   ``setsid``); without a PID namespace (``"kill-sweep"``) the process group is killed
   too and the same sweep runs after every command. Files persist between commands;
   processes, System V IPC objects, POSIX message queues and ``/dev/shm`` do not.
-- **IPC and host name** (``ipc="ipcns"``): each command has its own IPC and UTS
-  namespaces, so a shared-memory segment or semaphore it makes (any mode) is seen by no
-  other command, episode or host process and is freed by the kernel when the command
-  ends; the host name is ``sandbox``.
+- **IPC and host name** (``ipc="ipcns"``): each episode (``entry="command"``: each
+  command) has its own IPC and UTS namespaces, so a shared-memory segment or semaphore
+  it makes (any mode) is seen by no other episode or host process, and is removed when
+  its command ends (with ``entry="episode"``, by the anchor, once no other command of
+  the episode runs); the host name is ``sandbox``.
 - **Output cap.** stdout and stderr are read together; past ``Limits.output_bytes`` the
   command is killed and the output kept so far is returned (``killed="output_limit"``).
 - **No network.** A new network namespace (``unshare(CLONE_NEWNET)``) whose only
@@ -129,7 +134,7 @@ import threading
 from typing import Mapping
 
 from envs.image import host_tools
-from envs.sandbox import cgroup, isolation, launcher, layers, tree
+from envs.sandbox import anchor, cgroup, isolation, launcher, layers, tree
 from envs.sandbox.isolation import VIRTUAL_DIRS, Isolation, Plan, claim_uid
 
 __all__ = ["Isolation", "Limits", "RunResult", "Sandbox", "SandboxError", "VIRTUAL_DIRS", "probe"]
@@ -145,6 +150,7 @@ _VERIFIER_DIRS = ("/tests", "/logs/verifier")
 _PROBED: Isolation | None = None
 _TOOL_DIR: str | None = None
 _TOOLS_STARTED = False  # the tools' python was seen to start in a sandbox (Sandbox._check_tools)
+_ANCHORS_CPU = 0.0  # CPU seconds of the anchors this process's sandboxes closed, and of what they started
 _LOCK = threading.Lock()
 
 
@@ -164,16 +170,20 @@ def probe() -> Isolation:
 
 def tool_dir() -> str:
     """The host directory a sandbox mounts at ``TOOLS`` (``envs/image/host_tools.py`` builds
-    it), made once per machine for this interpreter and this version of the tools."""
+    it, with ``limits.sh``, the script that takes an agent command's limits:
+    ``anchor.LIMITS_SCRIPT``), made once per machine for this interpreter and this version
+    of the tools."""
     global _TOOL_DIR
     with _LOCK:
         if _TOOL_DIR is None:
             with open(host_tools.__file__, "rb") as f:
-                key = hashlib.sha256(f.read() + sys.executable.encode()).hexdigest()[:16]
+                key = hashlib.sha256(f.read() + anchor.LIMITS_SCRIPT.encode() + sys.executable.encode()).hexdigest()[:16]
             final = os.path.join(tempfile.gettempdir(), f"glmjax-tools-{key}")
             if not os.path.isdir(final):
                 staging = tempfile.mkdtemp(prefix=f"glmjax-tools-{key}.")
                 host_tools.build(staging)
+                with open(os.path.join(staging, "limits.sh"), "w") as f:
+                    f.write(anchor.LIMITS_SCRIPT)
                 os.chmod(staging, 0o755)
                 try:
                     os.rename(staging, final)
@@ -197,6 +207,20 @@ def _interpreter_binds() -> tuple[tuple[str, str, bool], ...]:
                                f"every sandbox replaces with its own directory, so no command could run it; install "
                                f"glmjax into an interpreter elsewhere (a virtualenv under /opt, /srv or your home)")
     return tuple((d, d, False) for d in dirs if not any(d != o and d.startswith(o + "/") for o in dirs))
+
+
+def anchor_cpu_seconds(pid: int | None = None) -> float:
+    """CPU seconds of the anchor ``pid`` and the commands it started (an anchor is no child
+    of the sandbox's process, so its time is not in this process's ``RUSAGE_CHILDREN``);
+    without ``pid``, of every anchor this process's sandboxes have closed."""
+    if pid is None:
+        return _ANCHORS_CPU
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")
 
 
 def kill_uids(*uids: int) -> None:
@@ -316,18 +340,24 @@ class Sandbox:
     removed by ``close()`` (or leaving the ``with`` block). ``hide``: host directories
     (a task's source) that must not show through the system binds. ``isolation`` says
     what this sandbox actually has. ``per_command``: each agent command makes its
-    namespaces and root afresh, in place of entering the episode's (``Isolation.entry``).
+    namespaces and root afresh, in place of entering the episode's (``Isolation.entry``;
+    default: ``$GLMJAX_SANDBOX_ENTRY``, "episode" or "command", else "episode").
     ``layer``: an image's layer (``envs/sandbox/build.py`` builds it), laid read-only over
     the root (``envs/sandbox/layers.py``); it needs ``filesystem="chroot"``.
     """
 
     def __init__(self, *, limits: Limits = Limits(), network: str = "none", filesystem: str = "auto",
-                 base_dir: str | None = None, hide: tuple[str, ...] = (), per_command: bool = False,
+                 base_dir: str | None = None, hide: tuple[str, ...] = (), per_command: bool | None = None,
                  layer: str | None = None):
         if network not in ("none", "host"):
             raise ValueError(f"network must be 'none' or 'host', got {network!r}")
         if filesystem not in ("auto", "chroot", "plain"):
             raise ValueError(f"filesystem must be 'auto', 'chroot' or 'plain', got {filesystem!r}")
+        if per_command is None:
+            entry = os.environ.get("GLMJAX_SANDBOX_ENTRY", "episode")
+            if entry not in ("episode", "command"):
+                raise ValueError(f"GLMJAX_SANDBOX_ENTRY must be 'episode' or 'command', got {entry!r}")
+            per_command = entry == "command"
         avail = probe()
         base_dir = base_dir or os.environ.get("GLMJAX_SANDBOX_DIR")
         if network == "none" and avail.network != "netns":
@@ -537,14 +567,13 @@ class Sandbox:
         if self.uid is not None:  # root ignores RLIMIT_NPROC; the sandbox uid does not
             rlimits.append((resource.RLIMIT_NPROC, limits.processes))
         as_verifier = verifier and self.verifier_uid != self.uid
-        enter = self._entered() if self.isolation.entry == "episode" and not verifier else None
-        plan = Plan(root=os.path.join(self.root, ".root"), uid=self.verifier_uid if as_verifier else self.uid,
-                    network_ns=self.isolation.network == "netns", chroot=chroot,
-                    pid_ns=self.isolation.processes == "pidns", ipc_ns=self.isolation.ipc == "ipcns",
-                    rlimits=rlimits, cwd=cwd if chroot else self.host_path(cwd),
-                    mounts=self._mounts(verifier) if chroot and enter is None else (), hidden=self._hidden,
-                    cgroup_procs=self.group.procs if self.group else (),
-                    verifier_of=self.uid if as_verifier else None, enter=enter)
+        through_anchor = self.isolation.entry == "episode" and not verifier
+        plan = None if through_anchor else Plan(
+            root=os.path.join(self.root, ".root"), uid=self.verifier_uid if as_verifier else self.uid,
+            network_ns=self.isolation.network == "netns", chroot=chroot, pid_ns=self.isolation.processes == "pidns",
+            ipc_ns=self.isolation.ipc == "ipcns", rlimits=rlimits, cwd=cwd if chroot else self.host_path(cwd),
+            mounts=self._mounts(verifier) if chroot else (), hidden=self._hidden,
+            cgroup_procs=self.group.procs if self.group else (), verifier_of=self.uid if as_verifier else None)
         oom_kills = 0
         if self.group is not None:
             self.group.set_limits(limits.memory_bytes, limits.cpus)
@@ -552,22 +581,29 @@ class Sandbox:
         with self._lock:
             self._in_flight += 1
         returned = False
+        command_io = dict(argv=["/bin/bash", "-c", command], env=self.env(env), stdin=stdin.encode() if stdin else None,
+                          wall_seconds=limits.wall_seconds, output_bytes=limits.output_bytes)
         try:
-            returncode, output, killed, truncated, seconds = launcher.call(
-                "run", argv=["/bin/bash", "-c", command], env=self.env(env), plan=plan,
-                stdin=stdin.encode() if stdin else None, wall_seconds=limits.wall_seconds,
-                output_bytes=limits.output_bytes)
+            if through_anchor:
+                for attempt in (1, 2):
+                    try:
+                        returncode, output, killed, truncated, seconds = anchor.run(
+                            self._anchor_socket(wait=attempt > 1), cwd=cwd, uid=self.uid, rlimits=rlimits,
+                            bash_env=f"{TOOLS}/limits.sh", **command_io)
+                        break
+                    except anchor.Gone:  # killed and not yet seen to have exited: once it has, a new one
+                        if attempt == 2:
+                            raise
+            else:
+                returncode, output, killed, truncated, seconds = launcher.call("run", plan=plan, **command_io)
             returned = True
-        except (subprocess.SubprocessError, launcher.HelperDied) as err:
+        except (OSError, subprocess.SubprocessError, launcher.HelperDied) as err:
             raise SandboxError(f"could not start a sandboxed command ({self.isolation.describe()}): {err}") from err
         finally:
             if not returned and self.uid is not None:  # the helper died or the caller was interrupted (a
                 kill_uids(*self._uids())  # signal): nothing watches the command any more, so it ends now
             with self._lock:
                 self._in_flight -= 1
-                idle = self._in_flight == 0
-            if enter is not None and idle:
-                self._clear_shared_memory(enter)
             if as_verifier:
                 self._hand_back("/app")
         if killed is None and self.group is not None and self.group.oom_kills() > oom_kills:
@@ -578,43 +614,38 @@ class Sandbox:
             full = self._disk_bytes if disk.f_bavail * disk.f_frsize < 64 << 10 else None
         return RunResult(returncode, output.decode("utf-8", errors="replace"), seconds, killed, truncated, full)
 
-    def _entered(self) -> int:
-        """The host pid of the episode's anchor (``isolation.start_anchor``): its namespaces
-        and root are made at the first agent command, and again if it was killed."""
+    def _anchor_socket(self, wait: bool = False) -> str:
+        """Where the episode's anchor (``envs/sandbox/anchor.py``) listens: it is made, with
+        the namespaces and the root, at the first agent command, and again if it was killed
+        (its processes went with it; the files stay). ``wait``: it stopped listening, so
+        wait for it to have exited."""
+        path = os.path.join(self.root, "anchor.sock")
         with self._lock:
-            if self._anchor is not None and select.select([self._anchor[1]], [], [], 0)[0]:
-                os.close(self._anchor[1])  # it exited: its processes went with it, the files stay
+            if self._anchor is not None and select.select([self._anchor[1]], [], [], 5.0 if wait else 0)[0]:
+                os.close(self._anchor[1])
                 self._anchor = None
             if self._anchor is None:
+                if os.path.lexists(path):
+                    os.unlink(path)
                 plan = Plan(root=os.path.join(self.root, ".root"), uid=self.uid, rlimits=[], cwd="/",
                             network_ns=self.isolation.network == "netns", chroot=True, pid_ns=True,
-                            ipc_ns=self.isolation.ipc == "ipcns", mounts=self._mounts(False), hidden=self._hidden)
+                            ipc_ns=self.isolation.ipc == "ipcns", mounts=self._mounts(False), hidden=self._hidden,
+                            cgroup_procs=self.group.procs if self.group else ())
                 try:
-                    pid = launcher.call("anchor", plan=plan, owner=os.getpid())
+                    pid = launcher.call("anchor", plan=plan, owner=os.getpid(), path=path)
                 except (OSError, launcher.HelperDied) as err:
                     raise SandboxError(f"could not make the sandbox's namespaces ({self.isolation.describe()}): "
                                        f"{err}") from err
                 self._anchor = (pid, os.pidfd_open(pid))
-            return self._anchor[0]
-
-    def _clear_shared_memory(self, anchor: int) -> None:
-        """Empty the episode's ``/dev/shm`` after a command, as a root of its own would be
-        gone with it."""
-        shm = f"/proc/{anchor}/root/dev/shm"
-        try:
-            names = os.listdir(shm)
-        except OSError:
-            return
-        for name in names:
-            try:
-                tree.rmtree(os.path.join(shm, name))
-            except OSError:
-                pass
+        return path
 
     def _stop_anchor(self) -> None:
+        global _ANCHORS_CPU
         if self._anchor is not None:
             pid, fd = self._anchor
             self._anchor = None
+            with _LOCK:
+                _ANCHORS_CPU += anchor_cpu_seconds(pid)
             try:
                 signal.pidfd_send_signal(fd, signal.SIGKILL)
             except ProcessLookupError:

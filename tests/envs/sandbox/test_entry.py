@@ -38,10 +38,15 @@ def test_an_episodes_commands_share_a_root_but_not_what_each_one_leaves_running(
         assert first.ok and second.ok, (first, second)
         assert first.output.split()[1:] == second.output.split()[-2:]  # the same network and mount namespaces
         assert second.output.split()[:-2] == ["bash", "ps"]  # no sleep, no /dev/shm file: both went with their command
-        with open(f"/proc/{anchor}/status") as f:
-            assert "\nUid:\t0\t" in f.read()  # the anchor is root's: hidden from the agent (hidepid), unkillable by it
-        assert not box.run("kill -9 1").ok and box.run("ls /proc/1").returncode != 0
-        assert _alive(anchor)
+        with open(f"/proc/{anchor}/status") as f:  # effective and saved ids root's: hidden (hidepid), not traceable
+            assert f"\nUid:\t{box.uid}\t0\t0\t0\n" in f.read()
+        box.run("for s in KILL INT TERM HUP USR1 STOP; do kill -$s 1; done")  # init of its namespace: none arrives
+        assert box.run("ls /proc/1").returncode != 0 and box.run("echo again").output == "again\n"
+        assert _alive(anchor) and box._anchor[0] == anchor
+        own = box.run("grep -E '^(Uid|Gid|Groups|CapPrm|CapEff|NoNewPrivs)' /proc/self/status").output.split("\n")
+        assert own[:6] == [f"Uid:\t{box.uid}\t{box.uid}\t{box.uid}\t{box.uid}",
+                           f"Gid:\t{box.uid}\t{box.uid}\t{box.uid}\t{box.uid}", "Groups:\t ", "CapPrm:\t0000000000000000",
+                           "CapEff:\t0000000000000000", "NoNewPrivs:\t1"], own
 
 
 @needs_entry

@@ -255,12 +255,18 @@ def test_commands_are_forked_by_helpers_never_by_the_caller(monkeypatch):
     assert time.monotonic() - start < 4 * 0.5  # side by side: one after another takes longer
     assert len(launcher._POOL.idle) == 4
 
-    with Sandbox() as box:
+    with Sandbox(per_command=True) as box:
         helper = launcher._POOL.idle[-1]  # the next run takes the last idle helper
         threading.Timer(0.3, helper.proc.kill).start()
         with pytest.raises(SandboxError, match="helper process exited"):
             box.run("sleep 5")
         assert helper not in launcher._POOL.idle
+        assert box.run("echo ok").output == "ok\n"
+    with Sandbox() as box:  # an episode's commands: the anchor, killed mid-command, takes that command with it
+        box.run("true")
+        threading.Timer(0.3, os.kill, (box._anchor[0], signal.SIGKILL)).start()
+        start = time.monotonic()
+        assert box.run("sleep 5").returncode == -signal.SIGKILL and time.monotonic() - start < 3.0
         assert box.run("echo ok").output == "ok\n"
 
 
