@@ -51,6 +51,8 @@ setup(
         # the sandbox's python3 runs Harbor tasks' verifiers (`uvx pytest --ctrf ...`), as their images do
         "pytest",
         "pytest-json-ctrf",
+        # a task's Dockerfile, read by Docker's own grammar (it wraps moby/buildkit's parser: envs/image/dockerfile.py)
+        "dockerfile==3.4.0",
     ],
     extras_require={
         # torch is pinned to the release whose CPU wheel the test machines carry; any other

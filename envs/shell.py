@@ -41,7 +41,7 @@ from envs.harbor.task import (
     run_tests,
     stops_after,
     task_env,
-    task_limits,
+    task_sandbox,
     trial_reward,
 )
 from envs.sandbox.sandbox import Limits, Sandbox, SandboxError
@@ -80,8 +80,7 @@ class ShellEnv:
         self.close()
         if not isinstance(task, HarborTask):
             raise TypeError(f"ShellEnv runs HarborTask, got {type(task).__name__} ({getattr(task, 'id', '?')})")
-        self.sandbox = Sandbox(limits=task_limits(task, self.limits), hide=(task.source,) if task.source else (),
-                               **self.sandbox_args)
+        self.sandbox = task_sandbox(task, self.limits, **self.sandbox_args)
         try:
             prepare(self.sandbox, task)
         except BaseException:

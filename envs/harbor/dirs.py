@@ -11,11 +11,14 @@ Formats read (``load_task``):
     tests/ (test.sh, test_outputs.py, ...)
     steps/<name>/ (instruction.md, tests/, solution/) for each [[steps]] entry
 
-The Dockerfile is emulated (``envs/image/dockerfile.py``); install steps in it, in the tests'
-and in the solution's scripts are resolved against the host (``envs/image/installs.py``): what
-the host has satisfies them and is noted in ``HarborTask.installs``; what it lacks makes
-the task *unsupported* (reported with the reason, never silently passed), as do a
-multi-service compose file and a prebuilt image. A multi-step task's steps each have
+The image is built from the Dockerfile and build context the task's compose file or
+layout names (``envs/image/context.py``, ``envs/image/build.py``: a layer cached on the
+machine, with its install steps fetched from the registries); install steps in the tests'
+and in the solution's scripts are resolved against the host (``envs/image/installs.py``):
+what the host has satisfies them and is noted in ``HarborTask.installs``; what cannot be
+had, and a step the build cannot reproduce, makes the task *unsupported* (reported with
+the reason, naming the file and line, never silently passed), as do a second container in
+the compose file and a prebuilt image. A multi-step task's steps each have
 their own instruction, tests layered over the task's, and solution. A malformed
 ``task.toml`` raises ``HarborFormatError`` naming the file, the field and the type it
 must have. Export (``export_task``) writes the Harbor layout; glmjax's own fields go in
@@ -31,7 +34,7 @@ import tomllib
 from typing import Mapping
 
 from envs.harbor.task import HarborTask
-from envs.image import dockerfile, installs, shell_syntax
+from envs.image import build, context, dockerfile, installs, shell_syntax
 from envs.sandbox.tree import read_tree
 
 _DIFFICULTY = {"trivial": 1, "easy": 1, "medium": 3, "hard": 4, "expert": 5}
@@ -179,11 +182,15 @@ def _scan_scripts(files: Mapping[str, bytes], where: str, path: str):
     return found, unsupported
 
 
-def _image(path: str, envdir: str) -> dockerfile.Image:
+def _image(path: str, layout: str, workdir: str | None, docker_image: str | None, scripts) -> build.Image:
+    """The task's image, built from its Dockerfile (or from the cache), with what the task's
+    ``scripts`` (their ``Install`` steps) fetch in its layer."""
     try:
-        file = os.path.join(envdir, "Dockerfile")
-        return dockerfile.emulate(file, os.path.relpath(file, path))
-    except dockerfile.DockerfileError as err:
+        source = context.locate(path, layout, docker_image)
+        if source.unsupported:
+            return build.Image(None, workdir or "/app", unsupported=source.unsupported)
+        return build.build(source, workdir, installs.wanted(scripts))
+    except (dockerfile.DockerfileError, ValueError) as err:
         raise HarborFormatError(f"{path}: {err}") from None
 
 
@@ -198,17 +205,9 @@ def _load_harbor(path: str) -> HarborTask:
     instruction = _read(os.path.join(path, "instruction.md"))
     if instruction is None and not steps:
         raise FileNotFoundError(f"{path}: instruction.md is missing")
-    envdir = os.path.join(path, "environment")
-    image = _image(path, envdir)
-    unsupported = image.unsupported
     environment = config.get("environment", {})
-    if os.path.isfile(os.path.join(envdir, "docker-compose.yaml")):
-        unsupported = "environment/docker-compose.yaml: multi-container environments need Docker"
-    elif environment.get("docker_image") and not os.path.isfile(os.path.join(envdir, "Dockerfile")):
-        unsupported = f"prebuilt image {environment['docker_image']!r} needs Docker"
     tests = read_tree(os.path.join(path, "tests"))
-    test_installs, bad = _scan_scripts(tests, "tests", path)
-    unsupported = unsupported or bad
+    test_installs, unsupported = _scan_scripts(tests, "tests", path)
     if "test.sh" not in tests and not steps:
         raise FileNotFoundError(f"{path}: tests/test.sh is missing")
     solution_files = read_tree(os.path.join(path, "solution"))
@@ -222,14 +221,18 @@ def _load_harbor(path: str) -> HarborTask:
     task_id = _task_id(path, {"id": name} if name else {})
     agent_timeout = float(config.get("agent", {}).get("timeout_sec", 120.0))
     verifier_timeout = float(verifier.get("timeout_sec", 120.0))
-    workdir = environment.get("workdir", image.workdir)
     loaded_steps = ()
     if steps:
-        loaded_steps, step_installs, bad = _load_steps(path, config, task_id, tests, agent_timeout, verifier_timeout,
-                                                       workdir, {**image.env, **verifier.get("env", {})})
+        loaded_steps, step_installs, bad = _load_steps(path, config, task_id, tests, agent_timeout, verifier_timeout)
         solution_installs, unsupported = solution_installs + step_installs, unsupported or bad
-    all_installs = tuple(i.to_dict() for i in image.installs + test_installs + solution_installs)
-    loaded_steps = tuple(s.replace(installs=all_installs) for s in loaded_steps)  # one environment for all steps
+    scripts = test_installs + solution_installs
+    image = _image(path, "harbor", environment.get("workdir"), environment.get("docker_image"), scripts)
+    unsupported = image.unsupported or unsupported
+    files, modes = image.contents("app")
+    workdir, env = image.workdir, {**image.env, **verifier.get("env", {})}
+    all_installs = image.installs + tuple(i.to_dict() for i in scripts)
+    # one environment for all steps
+    loaded_steps = tuple(s.replace(installs=all_installs, workdir=workdir, env=env) for s in loaded_steps)
     strategy = config.get("multi_step_reward_strategy", "mean")
     if strategy not in ("mean", "final"):
         raise HarborFormatError(f"{path}/task.toml: multi_step_reward_strategy must be \"mean\" or \"final\", "
@@ -238,13 +241,14 @@ def _load_harbor(path: str) -> HarborTask:
         id=task_id, instruction=instruction or "", steps=loaded_steps, step_reward=strategy,
         domain=extra.get("domain", meta.get("category", "terminal")),
         difficulty=extra.get("difficulty", _difficulty(meta.get("difficulty", "medium"))),
-        metadata={**meta, **extra.get("metadata", {})}, files=image.files, tmp_files=image.tmp_files,
+        metadata={**meta, **extra.get("metadata", {})}, files=files, modes=modes, tmp_files=image.contents("tmp")[0],
+        layer=image.layer,
         storage_bytes=_storage(path, environment),
         solution=solve.decode() if solve is not None else None, solution_files=solution_files, tests=tests,
-        partials=partials, setup=tuple(image.setup), env={**image.env, **verifier.get("env", {})},
+        partials=partials, env=env,
         agent_timeout=agent_timeout, verifier_timeout=verifier_timeout,
         workdir=workdir, unsupported=unsupported, source=os.path.abspath(path),
-        installs=all_installs, notes=tuple(image.notes + agent_writable_code(tests, workdir)))
+        installs=all_installs, notes=image.notes + tuple(agent_writable_code(tests, workdir)))
 
 
 def _storage(path: str, environment: dict) -> int | None:
@@ -257,8 +261,9 @@ def _storage(path: str, environment: dict) -> int | None:
 
 
 def _load_steps(path: str, config: dict, task_id: str, task_tests: dict, agent_timeout: float,
-                verifier_timeout: float, workdir: str, env: dict):
-    """The ``[[steps]]`` of a task: (steps, their install steps, unsupported or None)."""
+                verifier_timeout: float):
+    """The ``[[steps]]`` of a task: (steps, their install steps, unsupported or None); the
+    image's working directory and variables are the caller's to set."""
     where, out, found, unsupported = os.path.join(path, "task.toml"), [], [], None
     for i, entry in enumerate(config["steps"]):
         name = entry.get("name")
@@ -292,10 +297,10 @@ def _load_steps(path: str, config: dict, task_id: str, task_tests: dict, agent_t
         solve = solution_files.pop("solve.sh", None)
         out.append(HarborTask(
             id=_task_id(f"{task_id}.{name}", {}), instruction=instruction, domain="step", tests=tests,
-            solution=solve.decode() if solve is not None else None, solution_files=solution_files, env=env,
+            solution=solve.decode() if solve is not None else None, solution_files=solution_files,
             agent_timeout=float(entry.get("agent", {}).get("timeout_sec", agent_timeout)),
             verifier_timeout=float(entry.get("verifier", {}).get("timeout_sec", verifier_timeout)),
-            workdir=workdir, min_reward=None if min_reward is None else float(min_reward)))
+            min_reward=None if min_reward is None else float(min_reward)))
     return tuple(out), found, unsupported
 
 
@@ -334,11 +339,6 @@ def _load_terminal_bench(path: str) -> HarborTask:
     for field in ("max_agent_timeout_sec", "max_test_timeout_sec"):
         if field in config and (not isinstance(config[field], _NUMBER) or isinstance(config[field], bool)):
             raise HarborFormatError(f"{where}: {field} must be a number of seconds, got {config[field]!r}")
-    image = _image(path, path)
-    unsupported = image.unsupported
-    compose = _read(os.path.join(path, "docker-compose.yaml"))
-    if compose and len(re.findall(r"^  [\w-]+:\s*$", compose.split("services:", 1)[-1], re.M)) > 1:
-        unsupported = "docker-compose.yaml has several services: multi-container environments need Docker"
     solution = _read(os.path.join(path, "solution.sh"))
     if solution is None and os.path.isfile(os.path.join(path, "solution.yaml")):
         steps = _yaml(_read(os.path.join(path, "solution.yaml")))
@@ -348,24 +348,25 @@ def _load_terminal_bench(path: str) -> HarborTask:
     if runner is None:
         raise FileNotFoundError(f"{path}: run-tests.sh is missing")
     tests = {**read_tree(os.path.join(path, "tests")), "run-tests.sh": runner.encode()}
-    test_installs, bad = _scan_scripts(tests, "tests", path)
-    unsupported = unsupported or bad
+    test_installs, unsupported = _scan_scripts(tests, "tests", path)
     solution_installs = []
     if solution is not None:
         solution_installs, bad = _scan_scripts({"solution.sh": solution.encode()}, ".", path)
         unsupported = unsupported or bad
+    scripts = test_installs + solution_installs
+    image = _image(path, "terminal-bench", None, None, scripts)
+    unsupported = image.unsupported or unsupported
+    files, modes = image.contents("app")
     return HarborTask(
         id=_task_id(path, {}), instruction=instruction, domain=str(config.get("category", "terminal")),
         difficulty=_difficulty(config.get("difficulty", "medium")),
         metadata={k: config[k] for k in ("category", "tags", "author_email") if k in config},
-        files=image.files, tmp_files=image.tmp_files, solution=solution, tests=tests,
-        test_command="bash /tests/run-tests.sh",
-        setup=tuple(image.setup), env=image.env,
+        files=files, modes=modes, tmp_files=image.contents("tmp")[0], layer=image.layer, solution=solution,
+        tests=tests, test_command="bash /tests/run-tests.sh", env=image.env,
         agent_timeout=float(config.get("max_agent_timeout_sec", 180.0)),
         verifier_timeout=float(config.get("max_test_timeout_sec", 60.0)), workdir=image.workdir,
         unsupported=unsupported, source=os.path.abspath(path),
-        installs=tuple(i.to_dict() for i in image.installs + test_installs + solution_installs),
-        notes=tuple(image.notes))
+        installs=image.installs + tuple(i.to_dict() for i in scripts), notes=image.notes)
 
 
 def load_tasks(paths: list[str]) -> list[HarborTask]:
@@ -395,6 +396,9 @@ def export_task(task: HarborTask, out_dir: str) -> str:
     """Write ``task`` as a Harbor task directory ``out_dir/<task.id>``; returns its path."""
     if task.test_command != "bash /tests/test.sh":
         raise ValueError(f"{task.id}: only tasks run by tests/test.sh export to Harbor (got {task.test_command!r})")
+    if task.layer:
+        raise ValueError(f"{task.id}: its image was built from its own Dockerfile ({task.source}); that directory "
+                         "is its Harbor export")
     root = os.path.join(out_dir, task.id)
     plain = {k: v for k, v in task.metadata.items() if isinstance(v, (str, int, float, bool))}
     glmjax = {"id": task.id, "domain": task.domain, "difficulty": task.difficulty, "metadata": dict(task.metadata)}
@@ -429,7 +433,6 @@ def export_task(task: HarborTask, out_dir: str) -> str:
     docker += [f"ENV {k}={json.dumps(v)}" for k, v in task.env.items()]
     if task.files:
         docker.append(f"COPY app/ {task.workdir}/")
-    docker += [f"RUN {c}" for c in task.setup]
     _write(os.path.join(root, "environment", "Dockerfile"), "\n".join(docker) + "\n")
     for rel, data in task.files.items():
         _write(os.path.join(root, "environment", "app", rel), data)

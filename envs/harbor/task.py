@@ -9,9 +9,11 @@ folders (copied in only when they run: tests after the agent has finished, the s
 only for oracle runs). Under the chroot sandbox these are the real paths the commands
 see; in the plain fallback they are rewritten to the sandbox's host paths
 (``Sandbox.rewrite``) and exported as ``$APP_DIR``, ``$LOGS_DIR``, ``$TEST_DIR``.
-``prepare`` reproduces the image (files, the Dockerfile's RUN lines); scripts run with
-the install steps that cannot run offline replaced (``envs/image/installs.py``). A task that
-cannot be set up so is *unsupported* (``UnsupportedTask``, with the reason). A
+The image is built once from the Dockerfile (``envs/image/build.py``): its layer is laid
+over every sandbox's root (``task_sandbox``), and ``prepare`` copies its working directory
+into ``/app``; scripts run with the install steps that cannot run offline replaced
+(``envs/image/installs.py``). A task that cannot be set up so is *unsupported*
+(``UnsupportedTask``, with the reason). A
 multi-step task (``HarborTask.steps``) runs its steps in turn in one environment.
 
 The verifier cannot be touched or locked out by the agent: it runs as its own user (root
@@ -59,8 +61,11 @@ class HarborTask(Task):
     relative to it); ``tmp_files``: what the image puts under ``/tmp``; ``solution``:
     ``solve.sh`` (install steps resolved);
     ``solution_files``: the rest of ``solution/`` (``solve.py``, data ...), copied in beside
-    it; ``tests``: the tests/ directory; ``setup``: commands run before the agent (the
-    Dockerfile's RUN lines); ``partials``: half-done solutions (each must score 0);
+    it; ``tests``: the tests/ directory; ``modes``: permission bits of ``files``'s
+    entries where they matter (an executable the image built), and of its directories (a
+    path ending in "/"; an empty one is only here); ``layer``: the image's layer
+    (``envs/image/build.py``), laid read-only over the sandbox's root; ``partials``:
+    half-done solutions (each must score 0);
     ``installs``: how each install step was resolved; ``notes``: what the emulation left out;
     ``storage_bytes``: the task's ``[environment] storage_mb``: the largest file it may write and the
     least disk it gets.
@@ -78,7 +83,8 @@ class HarborTask(Task):
     tests: Mapping[str, str | bytes] = dataclasses.field(default_factory=dict)
     test_command: str = "bash /tests/test.sh"
     partials: tuple[str, ...] = ()
-    setup: tuple[str, ...] = ()
+    modes: Mapping[str, int] = dataclasses.field(default_factory=dict)
+    layer: str | None = None
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     agent_timeout: float = 120.0
     verifier_timeout: float = 120.0
@@ -180,19 +186,24 @@ def task_env(sandbox: Sandbox, task: HarborTask, *, verifier: bool = False) -> d
     return env
 
 
+def task_sandbox(task: HarborTask, limits, **kwargs) -> Sandbox:
+    """A fresh sandbox for ``task``: its limits (``task_limits``), its source hidden, its
+    image's layer laid over the root."""
+    return Sandbox(limits=task_limits(task, limits), hide=(task.source,) if task.source else (), layer=task.layer,
+                   **kwargs)
+
+
 def prepare(sandbox: Sandbox, task: HarborTask) -> None:
-    """Set up the task's environment in a fresh sandbox; ``UnsupportedTask`` if it cannot be."""
+    """Set up the task's environment in a fresh sandbox (its image's working directory and
+    ``/tmp``; the rest of the image is its layer); ``UnsupportedTask`` if it cannot be."""
     if task.unsupported:
         raise UnsupportedTask(task.unsupported)
+    for rel in sorted(p for p in task.modes if p.endswith("/")):
+        sandbox.make_dir(f"/app/{rel.rstrip('/')}", task.modes[rel])
     for rel, data in task.files.items():
-        sandbox.write_file(f"/app/{rel}", _map(data, task, sandbox))
+        sandbox.write_file(f"/app/{rel}", _map(data, task, sandbox), task.modes.get(rel))
     for rel, data in task.tmp_files.items():
         sandbox.write_file(f"/tmp/{rel}", _map(data, task, sandbox))
-    for command in task.setup:
-        result = sandbox.run(_map(command, task, sandbox, "RUN"), env=task_env(sandbox, task))
-        if not result.ok:
-            raise UnsupportedTask(f"environment setup failed locally: RUN {command!r} {result.summary()} "
-                                  f"{result.output[-300:]}")
 
 
 def run_script(sandbox: Sandbox, task: HarborTask, script: str) -> RunResult:

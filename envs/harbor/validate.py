@@ -50,9 +50,10 @@ from envs.harbor.task import (
     run_tests,
     stops_after,
     task_limits,
+    task_sandbox,
     trial_reward,
 )
-from envs.sandbox.sandbox import Limits, Sandbox, SandboxError, probe
+from envs.sandbox.sandbox import Limits, SandboxError, probe
 
 _HEREDOC = re.compile(r"<<-?\s*(['\"]?)([A-Za-z_][A-Za-z0-9_]*)\1")
 _TRIVIAL = re.compile(r"^\s*(#.*|set\s+-[euxo\w\s]+|cd\s+\S+|)\s*$")
@@ -152,7 +153,7 @@ def _episode(task: HarborTask, script: str | None, limits: Limits, sandbox_args:
     steps, apply ``ops``, run ``script``, run the tests of ``step`` (default: ``task``).
     ``capture``: also record what the script changed in /app."""
     target = step or task
-    with Sandbox(limits=limits, hide=(task.source,) if task.source else (), **sandbox_args) as sandbox:
+    with task_sandbox(task, limits, **sandbox_args) as sandbox:
         prepare(sandbox, task)
         for done in prior:
             run_script(sandbox, done, done.solution)
@@ -166,7 +167,8 @@ def _episode(task: HarborTask, script: str | None, limits: Limits, sandbox_args:
 
 
 def _validate_harbor(task: HarborTask, t0: float, cuts: int, limits: Limits, sandbox_args: dict) -> TaskReport:
-    environment = {"isolation": probe().describe(), "installs": list(task.installs), "notes": list(task.notes)}
+    environment = {"isolation": probe().describe(), "installs": list(task.installs), "notes": list(task.notes),
+                   "layer": task.layer}
     report = lambda status, checks, reason=None: TaskReport(  # noqa: E731
         task.id, status, checks, time.monotonic() - t0, task.source, reason, environment)
     if task.unsupported:

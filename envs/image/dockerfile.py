@@ -1,299 +1,274 @@
-"""A task's ``environment/Dockerfile``, emulated without Docker.
+"""A Dockerfile read by Docker's own grammar: what each stage's instructions say, with
+variables substituted as Docker substitutes them. Building is ``envs/image/build.py``'s.
 
-The host stands in for the base image (``FROM`` is recorded, not pulled; an official
-language image's tools, such as ``go`` for ``golang``, must be on the host). What the
-image adds is reproduced in a sandbox:
+The instructions come from the ``dockerfile`` package, which wraps the parser of
+moby/buildkit (line continuations, comments, the ``escape`` directive, here-documents,
+exec and shell forms are Docker's). On top of it, what BuildKit does before a build:
 
-    WORKDIR      the working directory (the last one is the sandbox's ``/app``; before the
-                 first, relative paths start at ``/``, as in Docker)
-    COPY / ADD   local files and directories, with Docker's rules: a destination that
-                 ends in ``/``, or names a directory made earlier, receives the sources
-                 inside it; a single file to any other path is written at that path;
-                 globs are expanded; a local tar archive given to ADD is unpacked. Files
-                 land under the final working directory or under ``/tmp``
-    ENV / ARG    variables (``$VAR`` / ``${VAR}`` expanded as Docker does; ``$PATH`` stays
-                 for the sandbox to expand against its own PATH); build arguments are in
-                 the environment of the RUN lines after them
-    RUN          commands run in the sandbox before the agent starts, shell form or
-                 exec form or a here-document; their install steps are resolved by
-                 ``envs/image/installs.py`` (``pip install -r`` reads the files copied so far)
-    USER, EXPOSE, CMD, ENTRYPOINT, LABEL, ...   recorded in ``notes``; nothing is started
+- stages: ``FROM image [AS name]`` starts one; a stage built on an earlier one (``FROM
+  name``) starts from its variables, working directory, user and shell;
+- variables: ``ARG`` (before the first ``FROM``: for ``FROM`` lines only) and ``ENV``,
+  substituted in the instructions Docker substitutes (``ADD COPY ENV EXPOSE FROM LABEL
+  STOPSIGNAL USER VOLUME WORKDIR``, ``ARG`` defaults), with its forms ``$v ${v}
+  ${v:-word} ${v-word} ${v:+word} ${v+word}``, quotes and escapes. ``$PATH`` before any
+  ``ENV PATH`` stays as written: the base image's PATH is whatever stands in for it;
+- ``RUN``: the script its shell gets (``SHELL``, default ``/bin/sh -c``), here-documents
+  included; the exec form as a quoted command line; the variables in effect (``ARG`` and
+  ``ENV``), working directory and user;
+- ``WORKDIR`` relative to the one before (``/`` at first), ``COPY``/``ADD`` destinations
+  made absolute, their flags (``--from``, ``--chown``, ``--chmod``) as a mapping.
 
-What cannot be reproduced makes the task unsupported, with the reason: ``COPY --from`` a
-build stage or image (uv's image aside: uv is the sandbox's own), ``ADD`` of a URL,
-sources outside the build context, destinations outside the working directory and
-``/tmp``, install steps or base-image tools the host cannot provide. A malformed file,
-or one that ``docker build`` would fail on (a missing ``COPY`` source), raises
-``DockerfileError`` naming the line.
+A line Docker would reject (an unknown instruction, a malformed ``ENV``, a ``FROM``
+without an image) raises ``DockerfileError`` naming the file and line.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import glob
-import json
-import os
 import posixpath
 import re
 import shlex
-import tarfile
+from typing import Mapping
 
-from envs.image import host_tools, installs
-from envs.sandbox import tree
+import dockerfile as buildkit
 
-_IGNORED = {"EXPOSE", "CMD", "ENTRYPOINT", "LABEL", "HEALTHCHECK", "SHELL", "STOPSIGNAL", "VOLUME", "ONBUILD",
-            "MAINTAINER", "USER"}
-_UV_IMAGE = re.compile(r"(^|/)astral-sh/uv(:|@|$)")
-_VAR = re.compile(r"\$(?:\{([A-Za-z_]\w*)(?::?[-+][^}]*)?\}|([A-Za-z_]\w*))")
+_KNOWN = {"ADD", "ARG", "CMD", "COPY", "ENTRYPOINT", "ENV", "EXPOSE", "FROM", "HEALTHCHECK", "LABEL", "MAINTAINER",
+          "ONBUILD", "RUN", "SHELL", "STOPSIGNAL", "USER", "VOLUME", "WORKDIR"}
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class DockerfileError(ValueError):
-    """The Dockerfile cannot be read (a malformed instruction); the message names the line."""
+    """The Dockerfile is one Docker would reject; the message names the file and line."""
 
 
-@dataclasses.dataclass
-class Image:
-    """What the emulated build produced. ``files``: the working directory's contents,
-    paths relative to it; ``tmp_files``: what it put under ``/tmp`` (relative to it);
-    ``setup``: the RUN commands as written (``envs/harbor/task.py`` resolves their install
-    steps when it runs them); ``installs``: how they resolve."""
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    """One instruction of a stage. ``words``: its arguments, substituted where Docker
+    substitutes; ``flags``: ``--name=value`` options; ``script``: for ``RUN``, what the
+    shell runs; ``heredocs``: (name, body) of each here-document; ``env``, ``cwd``,
+    ``user``, ``shell``: what is in effect for it."""
 
-    workdir: str = "/app"
-    files: dict[str, bytes] = dataclasses.field(default_factory=dict)
-    tmp_files: dict[str, bytes] = dataclasses.field(default_factory=dict)
-    setup: list[str] = dataclasses.field(default_factory=list)
-    env: dict[str, str] = dataclasses.field(default_factory=dict)
-    installs: list[installs.Install] = dataclasses.field(default_factory=list)
-    notes: list[str] = dataclasses.field(default_factory=list)
-    unsupported: str | None = None
-
-    def refuse(self, reason: str) -> None:
-        self.unsupported = self.unsupported or reason
-
-
-def _expand(text: str, values: dict[str, str]) -> str:
-    def one(m):
-        name = m.group(1) or m.group(2)
-        return values[name] if name in values and name != "PATH" else m.group(0)
-    return _VAR.sub(one, text)
+    op: str
+    words: tuple[str, ...]
+    flags: Mapping[str, str]
+    where: str
+    script: str = ""
+    heredocs: tuple[tuple[str, str], ...] = ()
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    cwd: str = "/"
+    user: str = ""
+    shell: tuple[str, ...] = ("/bin/sh", "-c")
 
 
-def _instructions(text: str):
-    """(line number, instruction, argument): continuations joined, comments dropped,
-    ``RUN <<EOF`` here-documents gathered into the argument."""
-    lines = text.splitlines()
-    i = 0
-    while i < len(lines):
-        number, line = i + 1, lines[i]
-        i += 1
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        while line.rstrip().endswith("\\") and i < len(lines):
-            nxt = lines[i]
+@dataclasses.dataclass(frozen=True)
+class Stage:
+    """A build stage: its base (an image, or ``stage:N`` for the earlier stage N), its name,
+    its instructions, and what its image ends with: ``env`` (``ENV`` only), ``workdir``, ``user``."""
+
+    base: str
+    name: str | None
+    where: str
+    steps: tuple[Instruction, ...]
+    env: Mapping[str, str]
+    workdir: str
+    user: str
+
+
+def substitute(word: str, values: Mapping[str, str], keep: tuple[str, ...] = ("PATH",)) -> str:
+    """``word`` as Docker's shell lexer processes it: quotes removed, escapes applied,
+    variables substituted (names in ``keep`` that have no value stay as written)."""
+    out, i, quote = [], 0, None
+    while i < len(word):
+        c = word[i]
+        if quote == "'":
+            if c == "'":
+                quote = None
+            else:
+                out.append(c)
             i += 1
-            if nxt.lstrip().startswith("#"):
-                continue
-            line = line.rstrip()[:-1] + nxt  # Docker drops the escape and the newline
-        op, _, arg = line.strip().partition(" ")
-        heredoc = re.match(r"\s*<<-?\s*(['\"]?)(\w+)\1\s*$", arg)
-        if heredoc:
-            body = []
-            while i < len(lines) and lines[i].strip() != heredoc.group(2):
-                body.append(lines[i])
-                i += 1
+        elif c == "\\" and i + 1 < len(word) and (quote is None or word[i + 1] in '"\\$'):
+            out.append(word[i + 1])
+            i += 2
+        elif c in "'\"" and quote is None:
+            quote = c
             i += 1
-            arg = "\n".join(body) + "\n"
-        yield number, op.upper(), arg.strip() if not heredoc else arg
-
-
-def emulate(path: str, where: str = "environment/Dockerfile") -> Image:
-    """The image ``path`` (a Dockerfile) builds, as far as a sandbox can reproduce it;
-    ``where`` names the file in messages."""
-    image = Image()
-    if not os.path.isfile(path):
-        return image
-    with open(path, encoding="utf-8", errors="replace") as f:
-        text = f.read()
-    context = os.path.dirname(path)
-    placed: dict[str, tuple[bytes, str]] = {}  # absolute path in the image -> (bytes, the line that put it)
-    dirs: set[str] = set()
-    cwd, args, stages = "/", {}, 0  # Docker's working directory until the first WORKDIR is /
-    for number, op, arg in _instructions(text):
-        at = f"{where} line {number}"
-        values = {**args, **image.env}
-        if op == "FROM":
-            stages += 1
-            base = arg.split()[0] if arg.split() else ""
-            if not base:
-                raise DockerfileError(f"{at}: FROM needs an image")
-            if stages > 1:  # a multi-stage build: only the last stage is the task's image
-                placed, dirs, image.setup, image.installs = {}, set(), [], []
-            _base_image(image, _expand(base, values), at)
-        elif op == "WORKDIR":
-            if not arg:
-                raise DockerfileError(f"{at}: WORKDIR needs a path")
-            cwd = posixpath.normpath(posixpath.join(cwd, _expand(arg, values)))
-            image.workdir = cwd
-            dirs.add(cwd)
-        elif op in ("ENV", "ARG"):
-            pairs = _assignments(arg, op, at)
-            target = image.env if op == "ENV" else args
-            for key, value in pairs:
-                target[key] = _expand(value, values)
-        elif op in ("COPY", "ADD"):
-            _copy(image, op, _expand(arg, values), context, cwd, placed, dirs, at)
-        elif op == "RUN":
-            command = _run_command(arg, at)
-            read = lambda p, c=cwd: _placed_text(placed, posixpath.join(c, p))  # noqa: E731  pip -r files
-            found = installs.scan(_expand(command, values), at, read=read)
-            image.installs += found.installs
-            if found.unsupported:
-                image.refuse(found.unsupported)
-            exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in args.items() if k not in image.env)
-            image.setup.append(exports + command)  # build arguments are the RUN's environment
-        elif op in _IGNORED:
-            if op in ("CMD", "ENTRYPOINT", "USER"):
-                image.notes.append(f"{op} {arg}: not applied (commands run as the sandbox's user; nothing is started)")
+        elif c == '"' and quote == '"':
+            quote = None
+            i += 1
+        elif c == "$":
+            text, i = _variable(word, i, values, keep)
+            out.append(text)
         else:
-            raise DockerfileError(f"{at}: unknown instruction {op!r}")
-    _settle(image, placed)
-    return image
+            out.append(c)
+            i += 1
+    if quote:
+        raise ValueError(f"unterminated {quote} quote in {word!r}")
+    return "".join(out)
 
 
-def _placed_text(placed: dict, path: str) -> str | None:
-    found = placed.get(posixpath.normpath(path))
-    return found[0].decode(errors="replace") if found else None
-
-
-def _settle(image: Image, placed: dict[str, tuple[bytes, str]]) -> None:
-    """Files land where the final working directory (the sandbox's ``/app``) or ``/tmp``
-    puts them; anywhere else cannot be reproduced."""
-    for path, (data, at) in sorted(placed.items()):
-        for top, target in ((image.workdir, image.files), ("/tmp", image.tmp_files)):
-            if path.startswith(top.rstrip("/") + "/"):
-                target[posixpath.relpath(path, top)] = data
-                break
-        else:
-            image.refuse(f"{at}: copies {path}, outside the working directory {image.workdir} and /tmp")
-
-
-# The commands an official base image brings, which the host must have in its place.
-_BASE_TOOLS = {"golang": ("go",), "node": ("node", "npm"), "openjdk": ("java",), "eclipse-temurin": ("java",),
-               "amazoncorretto": ("java",), "maven": ("mvn", "java"), "gradle": ("gradle", "java"),
-               "rust": ("cargo", "rustc"), "ruby": ("ruby",), "php": ("php",), "perl": ("perl",),
-               "gcc": ("gcc", "g++"), "swift": ("swift",), "haskell": ("ghc",), "julia": ("julia",),
-               "r-base": ("R",), "r-ver": ("R",), "elixir": ("elixir",), "erlang": ("erl",), "sdk": ("dotnet",),
-               "denoland/deno": ("deno",), "oven/bun": ("bun",), "postgres": ("postgres",), "redis": ("redis-server",),
-               "mysql": ("mysqld",), "mongo": ("mongod",), "nginx": ("nginx",)}
-
-
-def _base_image(image: Image, base: str, at: str) -> None:
-    repo = base.split("@")[0].rsplit(":", 1)[0] if ":" in base.split("/")[-1] else base.split("@")[0]
-    name = repo.split("/")[-1]
-    tools = _BASE_TOOLS.get(name) or _BASE_TOOLS.get("/".join(repo.split("/")[-2:]), ())
-    missing = [t for t in tools if host_tools.command(t, host_tools.SYSTEM_PATH) is None]
-    if missing:
-        image.refuse(f"{at}: FROM {base}: the base image provides {', '.join(missing)}, which this host lacks")
-    version = re.match(r"python:(\d+\.\d+)", base.split("/")[-1])
-    if version and not host_tools.same_python(version.group(1)):
-        image.notes.append(f"FROM {base}: the host stands in for the base image (python "
-                           f"{host_tools.PYTHON_VERSION} in place of {version.group(1)})")
+def _variable(word: str, i: int, values: Mapping[str, str], keep: tuple[str, ...]) -> tuple[str, int]:
+    """The substitution of the variable at ``word[i]`` ('$'), and where the word goes on."""
+    plain = _NAME.match(word, i + 1)
+    if plain:
+        name = plain.group(0)
+        return (values[name] if name in values else word[i:plain.end()] if name in keep else ""), plain.end()
+    if not word.startswith("${", i):
+        return "$", i + 1
+    depth, j = 1, i + 2
+    while j < len(word) and depth:
+        depth += {"{": 1, "}": -1}.get(word[j], 0)
+        j += 1
+    if depth:
+        raise ValueError(f"unterminated ${{ in {word!r}")
+    body = word[i + 2:j - 1]
+    found = re.fullmatch(r"([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-+?])(.*))?", body, re.S)
+    if not found:
+        raise ValueError(f"bad substitution ${{{body}}}")
+    name, op, arg = found.groups()
+    value = values.get(name)
+    is_set = value is not None and (value != "" or not op or not op.startswith(":"))
+    if op is None:
+        text = value if value is not None else (word[i:j] if name in keep else "")
+    elif op.endswith("-"):
+        text = value if is_set else substitute(arg, values, keep)
+    elif op.endswith("+"):
+        text = substitute(arg, values, keep) if is_set else ""
     else:
-        image.notes.append(f"FROM {base}: the host stands in for the base image")
+        if not is_set:
+            raise ValueError(f"{name}: {arg or 'parameter not set'}")
+        text = value
+    return text, j
 
 
-def _assignments(arg: str, op: str, at: str) -> list[tuple[str, str]]:
-    try:
-        words = shlex.split(arg)
-    except ValueError as err:
-        raise DockerfileError(f"{at}: {op} {arg!r}: {err}") from None
-    if op == "ENV" and words and "=" not in words[0]:
-        if len(words) < 2:
-            raise DockerfileError(f"{at}: ENV {arg!r} needs a value")
-        return [(words[0], arg.split(None, 1)[1].strip().strip('"'))]
+def _pairs(command, values: Mapping[str, str], at: str) -> list[tuple[str, str | None]]:
+    """``ENV``/``ARG`` assignments: (name, value; None for an ``ARG`` without a default)."""
+    if command.cmd == "ENV":
+        words = list(command.value)
+        if len(words) % 2:
+            raise DockerfileError(f"{at}: ENV {command.original[4:]!r} needs name=value pairs")
+        return [(words[k], substitute(words[k + 1], values)) for k in range(0, len(words), 2)]
     pairs = []
-    for word in words:
-        key, eq, value = word.partition("=")
-        if not re.fullmatch(r"[A-Za-z_]\w*", key) or (op == "ENV" and not eq):
-            raise DockerfileError(f"{at}: {op} {word!r} is not NAME=value")
-        pairs.append((key, value))
+    for word in command.value:
+        name, eq, default = word.partition("=")
+        if not _NAME.fullmatch(name):
+            raise DockerfileError(f"{at}: ARG {word!r} is not NAME or NAME=default")
+        pairs.append((name, substitute(default, values) if eq else None))
     return pairs
 
 
-def _run_command(arg: str, at: str) -> str:
-    if arg.startswith("["):
-        try:
-            words = json.loads(arg)
-        except json.JSONDecodeError as err:
-            raise DockerfileError(f"{at}: RUN exec form is not a JSON list: {err}") from None
-        return shlex.join(words)
-    words = arg.split()
-    while words and words[0].startswith("--"):  # RUN --mount=... --network=...
-        arg = arg.split(None, 1)[1] if len(arg.split(None, 1)) > 1 else ""
-        words = words[1:]
-    return arg
+def _run_script(command) -> str:
+    """What ``RUN``'s shell gets: the command line, or a lone here-document's body, with
+    the bodies of the here-documents it feeds after it, as a shell script holds them."""
+    if command.json:
+        return shlex.join(command.value)
+    text = " ".join(command.value)
+    docs = command.heredocs
+    if len(docs) == 1 and re.fullmatch(r"\d*<<-?([\"']?)" + re.escape(docs[0].name) + r"\1", text.strip()):
+        return docs[0].content
+    return text + "".join(f"\n{d.content}{d.name}" for d in docs)
 
 
-def _copy(image: Image, op: str, arg: str, context: str, cwd: str, placed: dict, dirs: set, at: str) -> None:
+def read(path: str, where: str = "Dockerfile") -> tuple[Stage, ...]:
+    """The stages of the Dockerfile at ``path``; ``where`` names it in messages."""
     try:
-        words = json.loads(arg) if arg.startswith("[") else shlex.split(arg)
-    except (ValueError, json.JSONDecodeError) as err:
-        raise DockerfileError(f"{at}: {op} {arg!r}: {err}") from None
-    flags = [w for w in words if w.startswith("--")]
-    words = [w for w in words if not w.startswith("--")]
-    if len(words) < 2:
-        raise DockerfileError(f"{at}: {op} needs a source and a destination, got {arg!r}")
-    source_image = next((f.split("=", 1)[1] for f in flags if f.startswith("--from=")), None)
-    if source_image is not None and _UV_IMAGE.search(source_image):
-        image.notes.append(f"{at}: {op} --from={source_image}: uv and uvx are the sandbox's own")
-        return
-    if source_image is not None:
-        image.refuse(f"{at}: {op} --from a build stage or image needs Docker: {arg!r}")
-        return
-    if any("://" in w for w in words[:-1]):
-        image.refuse(f"{at}: {op} of a URL needs the network: {arg!r}")
-        return
-    raw_dest = words[-1]
-    dest = posixpath.normpath(posixpath.join(cwd, raw_dest))
-    sources = []
-    for src in words[:-1]:
-        matches = sorted(glob.glob(os.path.join(context, src))) if glob.has_magic(src) else [os.path.join(context, src)]
-        for full in matches:
-            full = os.path.normpath(full)
-            if full != os.path.normpath(context) and not full.startswith(os.path.normpath(context) + os.sep):
-                image.refuse(f"{at}: {op} source {src!r} is outside the build context")
-                return
-            if not os.path.exists(full):  # docker build fails here too: the task is broken
-                raise DockerfileError(f"{at}: {op} source {src!r} is not in the build context {context}")
-            sources.append(full)
-    into = raw_dest.endswith("/") or dest in dirs or len(sources) > 1 or any(os.path.isdir(s) for s in sources)
-    for full in sources:
-        if os.path.isdir(full):
-            for rel, data in tree.read_tree(full).items():
-                _put(placed, dirs, posixpath.join(dest, rel), data, at)
-        elif op == "ADD" and tarfile.is_tarfile(full):
-            with tarfile.open(full) as archive:
-                for member in archive.getmembers():
-                    if member.isfile():
-                        name = posixpath.normpath(member.name)
-                        if name.startswith(("../", "/")):
-                            image.refuse(f"{at}: ADD archive member {member.name!r} leaves the destination")
-                            return
-                        _put(placed, dirs, posixpath.join(dest, name), archive.extractfile(member).read(), at)
-        else:
-            with open(full, "rb") as f:
-                data = f.read()
-            _put(placed, dirs, posixpath.join(dest, os.path.basename(full)) if into else dest, data, at)
-    if into:
-        dirs.add(dest)
+        commands = buildkit.parse_file(path)
+    except buildkit.GoParseError as err:
+        raise DockerfileError(f"{where}: {err}") from None
+    stages: list[Stage] = []
+    global_args: dict[str, str] = {}
+    current = None  # the stage being read: a dict of its parts
+
+    def close() -> None:
+        if current is not None:
+            stages.append(Stage(current["base"], current["name"], current["where"], tuple(current["steps"]),
+                                dict(current["env"]), current["cwd"], current["user"]))
+
+    for command in commands:
+        at, op = f"{where} line {command.start_line}", command.cmd.upper()
+        if op not in _KNOWN:
+            raise DockerfileError(f"{at}: unknown instruction {command.cmd!r}")
+        try:
+            if op == "FROM":
+                close()
+                current = _start(command, stages, global_args, at)
+                continue
+            if current is None:
+                if op != "ARG":
+                    raise DockerfileError(f"{at}: {op} before the first FROM")
+                global_args.update({k: v or "" for k, v in _pairs(command, global_args, at)})
+                continue
+            values = {**current["args"], **current["env"]}
+            step = _step(command, op, current, values, at)
+            if step is not None:
+                current["steps"].append(step)
+        except ValueError as err:
+            if isinstance(err, DockerfileError):
+                raise
+            raise DockerfileError(f"{at}: {err}") from None
+    close()
+    if not stages:
+        raise DockerfileError(f"{where}: no FROM instruction")
+    return tuple(stages)
 
 
-def _put(placed: dict, dirs: set, path: str, data: bytes, at: str) -> None:
-    path = posixpath.normpath(path)
-    if path in dirs:
-        raise DockerfileError(f"{at}: a file cannot replace the directory {path}")
-    placed[path] = (data, at)
-    parent = posixpath.dirname(path)
-    while parent not in ("/", ""):
-        dirs.add(parent)
-        parent = posixpath.dirname(parent)
+def _start(command, stages: list[Stage], global_args: dict, at: str) -> dict:
+    words = [w for w in command.value]
+    if not words:
+        raise DockerfileError(f"{at}: FROM needs an image")
+    name = words[2].lower() if len(words) == 3 and words[1].upper() == "AS" else None
+    if len(words) not in (1, 3) or (len(words) == 3 and name is None):
+        raise DockerfileError(f"{at}: FROM {' '.join(words)!r} is not FROM image [AS name]")
+    base = substitute(words[0], global_args)
+    earlier = next((k for k, s in enumerate(stages) if s.name == base.lower()), None)
+    part = {"name": name, "where": at, "steps": [], "args": {}, "env": {}, "cwd": "/", "user": "",
+            "shell": ("/bin/sh", "-c"), "base": base, "globals": global_args}
+    if earlier is not None:  # built on an earlier stage: its image is where this one starts
+        before = stages[earlier]
+        part.update(base=f"stage:{earlier}", env=dict(before.env), cwd=before.workdir, user=before.user)
+        part["shell"] = next((s.shell for s in reversed(before.steps)), part["shell"])
+    return part
+
+
+def _step(command, op: str, stage: dict, values: dict, at: str) -> Instruction | None:
+    flags = dict(f[2:].split("=", 1) if "=" in f else (f[2:], "") for f in command.flags)
+    common = {"flags": flags, "where": at, "env": dict(values), "cwd": stage["cwd"], "user": stage["user"],
+              "shell": stage["shell"]}
+    if op in ("ENV", "ARG"):
+        for name, value in _pairs(command, values, at):
+            if op == "ENV":
+                stage["env"][name] = value
+            elif value is not None:
+                stage["args"][name] = value
+            elif name in stage["globals"]:  # a global ARG, declared again to be used in the stage
+                stage["args"][name] = stage["globals"][name]
+        return None
+    if op == "WORKDIR":
+        if not command.value:
+            raise DockerfileError(f"{at}: WORKDIR needs a path")
+        stage["cwd"] = posixpath.normpath(posixpath.join(stage["cwd"], substitute(command.value[0], values)))
+        return Instruction(op, (stage["cwd"],), **{**common, "cwd": stage["cwd"]})
+    if op == "USER":
+        if not command.value:
+            raise DockerfileError(f"{at}: USER needs a user")
+        stage["user"] = substitute(command.value[0], values)
+        return Instruction(op, (stage["user"],), **common)
+    if op == "SHELL":
+        if not command.json or not command.value:
+            raise DockerfileError(f"{at}: SHELL needs a JSON list, such as [\"/bin/bash\", \"-c\"]")
+        stage["shell"] = tuple(command.value)
+        return None
+    if op == "RUN":
+        if not command.value and not command.heredocs:
+            raise DockerfileError(f"{at}: RUN needs a command")
+        return Instruction(op, tuple(command.value), script=_run_script(command),
+                           heredocs=tuple((d.name, d.content) for d in command.heredocs), **common)
+    if op in ("COPY", "ADD"):
+        words = [w if command.json else substitute(w, values) for w in command.value]
+        if len(words) < 2:
+            raise DockerfileError(f"{at}: {op} needs a source and a destination, got {command.original!r}")
+        if "chown" in flags:
+            flags["chown"] = substitute(flags["chown"], values)
+        return Instruction(op, tuple(words), heredocs=tuple((d.name, d.content) for d in command.heredocs),
+                           **common)
+    words = tuple(command.value) if command.json else tuple(substitute(w, values) for w in command.value)
+    return Instruction(op, words, **common)

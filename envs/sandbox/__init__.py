@@ -5,6 +5,8 @@
     launcher.py   the helper processes that fork sandboxed commands (never the caller)
     cgroup.py     one cgroup per sandbox: memory cap and CPU quota for all its processes together
     tree.py       walk, hash, read and remove directory trees of any depth
+    layers.py     an image's layer laid read-only over a sandbox's root
+    build.py      the build sandbox: a Dockerfile's RUN lines as root, writing only the layer
 """
 
 from envs.sandbox.sandbox import Limits, RunResult, Sandbox, SandboxError, probe

@@ -81,21 +81,23 @@ def test_dockerfile_is_emulated_and_workdir_mapped(tmp_path):
     assert validate(task, filesystem="plain").passed  # the fallback rewrites the paths instead
 
 
-@pytest.mark.parametrize("case", ["apt", "compose", "copy_outside", "run_fails", "test_needs_network"])
+@pytest.mark.parametrize("case", ["apt", "compose", "add_url", "run_fails", "test_needs_network"])
 def test_environments_that_cannot_be_set_up_are_unsupported(tmp_path, case):
     docker = {"apt": "FROM ubuntu\nRUN apt-get update && apt-get install -y jq glmjax-no-such-package\n",
               "compose": "FROM ubuntu\n",
-              "copy_outside": "FROM ubuntu\nWORKDIR /app\nCOPY tool /usr/local/bin/tool\n",
+              "add_url": "FROM ubuntu\nWORKDIR /app\nADD https://example.com/tool /usr/local/bin/tool\n",
               "run_fails": "FROM ubuntu\nWORKDIR /app\nRUN false\n", "test_needs_network": "FROM ubuntu\n"}[case]
     test = ("#!/bin/bash\nwget -q https://example.com/expected.txt\n" + GOOD_TEST.split("\n", 1)[1]
             if case == "test_needs_network" else GOOD_TEST)
     path = write_task(tmp_path, case, dockerfile=docker, files={"tool": "#!/bin/sh\n"}, test=test)
-    if case == "compose":
-        (path / "environment" / "docker-compose.yaml").write_text("services:\n  main:\n    build: .\n")
+    if case == "compose":  # a second container beside the task's
+        (path / "environment" / "docker-compose.yaml").write_text(
+            "services:\n  main:\n    build: .\n  db:\n    image: postgres:16\n")
     report = validate(harbor_dirs.load_task(str(path)))
     assert report.status == "unsupported" and report.reason, report.to_dict()
-    named = {"apt": "glmjax-no-such-package", "compose": "docker-compose", "copy_outside": "/usr/local/bin/tool",
-             "run_fails": "RUN 'false'", "test_needs_network": "https://example.com/expected.txt"}[case]
+    named = {"apt": "glmjax-no-such-package", "compose": "docker-compose.yaml: service 'db'",
+             "add_url": "line 3: ADD https://example.com/tool", "run_fails": "line 3: RUN false fails",
+             "test_needs_network": "https://example.com/expected.txt"}[case]
     assert named in report.reason, report.reason
 
 

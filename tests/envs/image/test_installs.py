@@ -1,12 +1,9 @@
-"""Install steps found without running the scripts (shell_syntax, installs, dockerfile) and the
+"""Install steps found without running the scripts (shell_syntax, installs) and the
 stand-in package managers a sandbox offers (host_tools)."""
-
-import io
-import tarfile
 
 import pytest
 
-from envs.image import dockerfile, host_tools, installs, shell_syntax
+from envs.image import host_tools, installs, shell_syntax
 from envs.sandbox.sandbox import Sandbox
 
 
@@ -72,84 +69,11 @@ def test_install_steps_are_resolved_and_only_offline_ones_replaced():
         ["glmjax-nope", "numpy", "glmjax-nope==1"], ["glmjax-no-such-tool"])
 
 
-def _write_context(tmp_path, dockerfile_text, files):
-    for rel, data in files.items():
-        path = tmp_path / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
-    (tmp_path / "Dockerfile").write_text(dockerfile_text)
-    return str(tmp_path / "Dockerfile")
-
-
-def test_the_dockerfile_is_emulated_with_dockers_copy_rules(tmp_path):
-    archive = io.BytesIO()
-    with tarfile.open(fileobj=archive, mode="w:gz") as tar:
-        info = tarfile.TarInfo("pkg/data.txt")
-        info.size = 3
-        tar.addfile(info, io.BytesIO(b"tar"))
-    files = {"a.txt": b"a", "b.py": b"b", "c.py": b"c", "conf/x.ini": b"x", "bundle.tgz": archive.getvalue()}
-    text = ("FROM python:3.12 AS build\nRUN echo discarded\nFROM python:3.12-slim\nARG NAME=demo\n"
-            "ENV HOME_DIR=/srv/$NAME PATH=/srv/$NAME/bin:$PATH\nWORKDIR /srv\nWORKDIR $NAME\n"
-            "COPY a.txt /srv/demo\nCOPY a.txt renamed.txt\nCOPY *.py src/\nCOPY conf /srv/demo/etc\n"
-            "ADD bundle.tgz vendor/\nRUN [\"python3\", \"-c\", \"print(1)\"]\n"
-            "RUN <<SCRIPT\necho one\necho two\nSCRIPT\n"
-            "RUN apt-get update && apt-get install -y \\\n      jq \\\n      curl\n"
-            "CMD [\"python3\", \"app.py\"]\n")
-    image = dockerfile.emulate(_write_context(tmp_path, text, files))
-    assert image.workdir == "/srv/demo" and image.unsupported is None
-    assert image.files == {"a.txt": b"a", "renamed.txt": b"a", "src/b.py": b"b", "src/c.py": b"c",
-                           "etc/x.ini": b"x", "vendor/pkg/data.txt": b"tar"}
-    assert image.env == {"HOME_DIR": "/srv/demo", "PATH": "/srv/demo/bin:$PATH"}  # PATH: the sandbox's, later
-    export = "export NAME=demo\n"  # build arguments are in the environment of the RUN lines
-    assert image.setup[:2] == [export + "python3 -c 'print(1)'", export + "echo one\necho two\n"]
-    assert image.setup[2].split() == (export + "apt-get update && apt-get install -y jq curl").split()
-    assert any(n.startswith("CMD") for n in image.notes)
-
-
-def test_copies_land_where_the_final_workdir_and_tmp_put_them(tmp_path):
-    files = {"data.txt": b"d", "requirements.txt": b"pytest\nglmjax-nope==1\n", "wheels/w.txt": b"w"}
-    text = ("FROM python:3.12-slim\nCOPY data.txt /workspace/data.txt\nCOPY wheels /tmp/wheels\n"
-            "COPY --from=ghcr.io/astral-sh/uv:0.8.15 /uv /uvx /usr/local/bin/\nWORKDIR /workspace\n"
-            "COPY requirements.txt .\nRUN pip install -r requirements.txt\n")
-    image = dockerfile.emulate(_write_context(tmp_path, text, files))
-    assert image.workdir == "/workspace" and image.files == {"data.txt": b"d", "requirements.txt": files["requirements.txt"]}
-    assert image.tmp_files == {"wheels/w.txt": b"w"}
-    assert any("astral-sh/uv" in n and "sandbox's own" in n for n in image.notes)
-    assert image.unsupported and "glmjax-nope" in image.unsupported  # the copied requirements file was read
-
-
-def test_a_base_image_tool_the_host_lacks_is_unsupported(tmp_path):
-    image = dockerfile.emulate(_write_context(tmp_path, "FROM glmjax/no-such-base\nFROM haskell:9.8\n", {}))
-    if host_tools.command("ghc", host_tools.SYSTEM_PATH) is None:
-        assert "FROM haskell:9.8: the base image provides ghc, which this host lacks" in image.unsupported
-    with pytest.raises(dockerfile.DockerfileError, match="line 2: COPY source 'missing.txt' is not in the build"):
-        dockerfile.emulate(_write_context(tmp_path, "FROM x\nCOPY missing.txt /app/\n", {}))
-
-
 def test_steps_that_only_an_image_build_needs_are_replaced():
     script = ("cp /root/.local/bin/uv /root/.local/bin/uvx /usr/local/bin/\nmkdir -p /logs/verifier && "
               "chmod -R 0777 /logs\nln -s /usr/bin/python3 /usr/bin/python\nchmod 600 /app/key\n")
     scan = installs.scan(script, "RUN")
     assert scan.script.splitlines() == ["true", "mkdir -p /logs/verifier && true", "true", "chmod 600 /app/key"]
-
-
-@pytest.mark.parametrize("text, reason", [
-    ("FROM x\nCOPY --from=build /out /app/out\n", "line 2: COPY --from a build stage"),
-    ("FROM x\nWORKDIR /app\nCOPY a.txt /etc/a.txt\n", "line 3: copies /etc/a.txt, outside the working directory /app"),
-    ("FROM x\nADD https://example.com/f /app/f\n", "line 2: ADD of a URL"),
-    ("FROM x\nCOPY ../secret /app/\n", "line 2: COPY source '../secret' is outside the build context"),
-    ("FROM x\nCOPY a.txt /opt/a.txt\nWORKDIR /app\n", "line 2: copies /opt/a.txt, outside the working directory"),
-])
-def test_what_a_sandbox_cannot_reproduce_is_unsupported(tmp_path, text, reason):
-    image = dockerfile.emulate(_write_context(tmp_path, text, {"a.txt": b"a"}))
-    assert reason in image.unsupported, image.unsupported
-
-
-def test_a_malformed_dockerfile_names_the_line(tmp_path):
-    with pytest.raises(dockerfile.DockerfileError, match="line 3: unknown instruction 'COPPY'"):
-        dockerfile.emulate(_write_context(tmp_path, "FROM x\nWORKDIR /app\nCOPPY a /app/\n", {}))
-    with pytest.raises(dockerfile.DockerfileError, match="line 2: RUN exec form is not a JSON list"):
-        dockerfile.emulate(_write_context(tmp_path, "FROM x\nRUN [\"echo\", \n", {}))
 
 
 def test_the_stand_ins_resolve_against_the_host_inside_the_sandbox():
