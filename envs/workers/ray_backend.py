@@ -19,8 +19,12 @@ How it works:
    all); ``step``, ``act`` and ``finish`` go to that worker; ``close`` frees the sandbox
    there without waiting. One sandbox per episode, pinned to its worker.
 3. A task travels by value: a ``HarborTask`` holds its files, tests and solution as
-   contents, so a node needs no disk shared with the trainer. (Its ``source``, the
-   directory it was read from, is only hidden from the agent where it exists.)
+   contents, so a node needs no disk shared with the trainer. Its image's layer (a
+   directory of the trainer's image cache, named by the hash of what built it) is used in
+   place where the worker's node has that directory; else the worker asks for it, and the
+   pool sends it once (a tar of it, overlay's whiteouts and opaque directories kept, put
+   in Ray's object store) to be unpacked under ``LAYERS`` on that node. (Its ``source``,
+   the directory it was read from, is only hidden from the agent where it exists.)
 4. A worker whose process dies loses its episodes' sandboxes: every call of those episodes
    raises ``WorkerLost`` (the collector drops them as "env_worker_lost"), and a fresh
    actor takes the dead one's place for new episodes. An error inside the environment
@@ -34,11 +38,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hashlib
 import ipaddress
 import itertools
 import logging
 import os
 import secrets
+import shutil
+import subprocess
+import tempfile
 import threading
 from typing import Any
 
@@ -52,32 +60,79 @@ log = logging.getLogger(__name__)
 LOOPBACK = "127.0.0.2"
 START_SECONDS = 120.0  # a worker not running by then (no node with its CPUs free) is an error
 CLOSE_SECONDS = 10.0  # for the open episodes' sandboxes to be removed when the pool closes
+LAYERS = os.path.join(os.path.expanduser("~"), ".cache", "glmjax", "layers")  # image layers sent to this node
+_TAR = ("--xattrs", "--xattrs-include=*", "--numeric-owner")  # overlay marks deletions with devices and xattrs
 
 
 class WorkerLost(RuntimeError):
     """The worker that held this episode's sandbox died: the episode cannot go on."""
 
 
-class _Worker:
+def pack_layer(path: str) -> bytes:
+    """The image layer at ``path`` as a tar (module docstring)."""
+    done = subprocess.run(["tar", "--create", *_TAR, "-C", path, "."], capture_output=True)
+    if done.returncode:
+        raise OSError(f"cannot pack the image layer {path}: tar: {done.stderr.decode(errors='replace')[-500:]}")
+    return done.stdout
+
+
+def unpack_layer(data: bytes, dest: str) -> None:
+    """A tar of ``pack_layer`` into ``dest``, which appears whole or not at all."""
+    parent = os.path.dirname(dest)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".unpacking-", dir=parent)
+    try:
+        done = subprocess.run(["tar", "--extract", *_TAR, "-C", staging], input=data, capture_output=True)
+        if done.returncode:
+            raise OSError(f"cannot unpack an image layer into {dest}: tar: "
+                          f"{done.stderr.decode(errors='replace')[-500:]}")
+        os.rename(staging, dest)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not os.path.isdir(dest):  # else another worker of this node unpacked it first
+            raise
+
+
+class Worker:
     """The actor: the open episodes' ShellEnvs by key. Ray runs its methods in ``slots``
     threads, so one episode's command does not hold up another's."""
 
     def __init__(self):
         self.envs: dict[int, Any] = {}
+        self._unpacking = threading.Lock()
 
     def where(self) -> tuple[str, int]:
         import ray
 
         return ray.get_runtime_context().get_node_id(), os.getpid()
 
-    def reset(self, key: int, shell_args: dict, task) -> tuple[str, tuple[str, int]]:
-        """The episode's first observation, and where it runs."""
+    def reset(self, key: int, shell_args: dict, task, layer: bytes | None = None) -> tuple[str, tuple[str, int]] | None:
+        """The episode's first observation, and where it runs; None when this node lacks
+        the task's image layer and ``layer`` (``pack_layer``'s tar of it) is needed."""
         from envs.shell import ShellEnv
 
+        task = self.local(task, layer)
+        if task is None:
+            return None
         env = ShellEnv(**shell_args)
         observation = env.reset(task)  # raises (UnsupportedTask) before the env is kept
         self.envs[key] = env
         return observation, self.where()
+
+    def local(self, task, layer: bytes | None):
+        """``task`` with its image layer where this node has it: the trainer's own path, or
+        the copy sent here (unpacked from ``layer`` if it is not yet); None if one is needed."""
+        path = getattr(task, "layer", None)
+        if not path or os.path.isdir(path):
+            return task
+        copy = os.path.join(LAYERS, hashlib.sha256(path.encode()).hexdigest()[:32])
+        if not os.path.isdir(copy):
+            if layer is None:
+                return None
+            with self._unpacking:
+                if not os.path.isdir(copy):
+                    unpack_layer(layer, copy)
+        return task.replace(layer=copy)
 
     def call(self, key: int, method: str, args: tuple) -> tuple[Any, Transcript | None]:
         """The env's ``method(*args)``, and its transcript once the episode has ended."""
@@ -171,11 +226,13 @@ class RayWorkers:
                              f"slots={slots}, cpus={cpus}")
         self.count, self.address, self.cpus, self.slots = count, address, cpus, slots
         self._owns_ray = connect(address)
-        self._actor = ray.remote(_Worker).options(num_cpus=cpus, max_concurrency=slots, max_restarts=0,
+        self._actor = ray.remote(Worker).options(num_cpus=cpus, max_concurrency=slots, max_restarts=0,
                                                   scheduling_strategy="SPREAD")
         self._lock = threading.Lock()
         self._keys, self._turns = itertools.count(), itertools.count()
         self.lost = 0  # workers that died and were replaced
+        self._layers: dict[str, Any] = {}  # image layer path -> its tar in Ray's object store
+        self._packing = threading.Lock()
         self._live = [_Slot(self._actor.remote()) for _ in range(count)]
         self._await_start(self._live)
 
@@ -231,6 +288,15 @@ class RayWorkers:
     def alive(self, slot: _Slot) -> bool:
         return slot in self._live
 
+    def _layer(self, path: str):
+        """The image layer at ``path``, packed and put in Ray's object store once."""
+        import ray
+
+        with self._packing:
+            if path not in self._layers:
+                self._layers[path] = ray.put(pack_layer(path))
+            return self._layers[path]
+
     def close(self) -> None:
         """Closes the open episodes' sandboxes (for up to ``CLOSE_SECONDS``), then ends the
         workers, and the Ray this pool started."""
@@ -266,7 +332,11 @@ class RemoteEnv:
             slot = self.pool._checkout(tried)
             key = next(self.pool._keys)
             try:
-                observation, (slot.node, slot.pid) = self._get(slot.actor.reset.remote(key, self.shell_args, task))
+                reply = self._get(slot.actor.reset.remote(key, self.shell_args, task))
+                if reply is None:  # the worker's node lacks the task's image layer: it gets a copy
+                    layer = self.pool._layer(task.layer)
+                    reply = self._get(slot.actor.reset.remote(key, self.shell_args, task, layer))
+                observation, (slot.node, slot.pid) = reply
             except ray.exceptions.RayActorError as err:
                 self.pool._release(slot)
                 self.pool._lost(slot, err)

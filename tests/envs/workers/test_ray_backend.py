@@ -2,7 +2,8 @@
 this machine: the agentic job's episodes, through the collector as the trainer runs them,
 get the rewards and token rows the in-process backend gives; a worker killed mid-episode
 drops exactly its episodes ("env_worker_lost") and the others finish; a task read from
-a directory runs on a worker after the directory is gone.
+a directory runs on a worker after the directory is gone, and a worker whose node lacks
+the task's image layer gets a copy of it.
 
 The cluster is bound to loopback: its nodes and this driver advertise 127.0.0.2 (Ray
 rewrites 127.0.0.1 to the machine's interface address), so no traffic goes to another
@@ -10,6 +11,7 @@ address; it takes a token of its own (no other process attaches to it, and nothi
 read from or written to ~/.ray). The test starts both nodes (`ray start --block`, each in
 a session of its own) and stops them by their process ids at the end."""
 
+import dataclasses
 import importlib.util
 import os
 import pathlib
@@ -17,6 +19,7 @@ import secrets
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -26,7 +29,7 @@ import pytest
 
 from envs import families
 from envs.harbor import dirs
-from envs.workers.ray_backend import LOOPBACK
+from envs.workers import ray_backend
 from glmjax.chat import ByteChat
 from glmjax.presets import load_config
 from rl import rollout as ro
@@ -48,7 +51,7 @@ def _free_port() -> int:
 
 
 def _start(args, env) -> subprocess.Popen:
-    return subprocess.Popen(["ray", "start", *args, f"--node-ip-address={LOOPBACK}", "--num-cpus=1",
+    return subprocess.Popen(["ray", "start", *args, f"--node-ip-address={ray_backend.LOOPBACK}", "--num-cpus=1",
                              "--disable-usage-stats", "--block"], env=env, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -62,7 +65,7 @@ def cluster():
     auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32), "RAY_USAGE_STATS_ENABLED": "0"}
     env = dict(os.environ, **auth)
     port = _free_port()
-    address = f"{LOOPBACK}:{port}"
+    address = f"{ray_backend.LOOPBACK}:{port}"
     nodes = [_start(["--head", f"--port={port}", f"--temp-dir={temp}", "--include-dashboard=false"], env)]
     patch = pytest.MonkeyPatch()
     try:
@@ -70,7 +73,7 @@ def cluster():
             patch.setenv(key, value)
         import ray  # after the token is set: Ray reads its auth mode once, at import
 
-        _await(lambda: _reachable(LOOPBACK, port), "the head's GCS", nodes)
+        _await(lambda: _reachable(ray_backend.LOOPBACK, port), "the head's GCS", nodes)
         nodes.append(_start([f"--address={address}"], env))
         yield ray, address
     finally:
@@ -230,6 +233,59 @@ def test_a_task_travels_by_value_to_its_worker(ray_job, tmp_path):
     episode = rl_tasks.oracle_episode(task, env, CHAT, window=4096)  # raises unless rewarded
     assert episode.reward == 1.0 and env.where["node"] in node_ids
     assert env.transcript.reward == 1.0  # the ended episode's transcript, brought back with its last step
+
+
+def _layer(root: pathlib.Path) -> pathlib.Path:
+    """An image layer as a build leaves it: a file with its mode, a link, an empty directory,
+    and overlay's marks of what the build deleted (a 0:0 device, an opaque directory)."""
+    (root / "usr" / "bin").mkdir(parents=True)
+    (root / "usr" / "bin" / "tool").write_text("#!/bin/sh\necho tool\n")
+    (root / "usr" / "bin" / "tool").chmod(0o750)
+    (root / "usr" / "bin" / "alias").symlink_to("tool")
+    (root / "empty").mkdir()
+    (root / "opaque").mkdir()
+    os.setxattr(root / "opaque", "trusted.overlay.opaque", b"y")
+    os.mknod(root / "deleted", 0o600 | stat.S_IFCHR, os.makedev(0, 0))
+    return root
+
+
+def _same_layer(a: pathlib.Path, b: pathlib.Path) -> None:
+    for path in a.rglob("*"):
+        other = b / path.relative_to(a)
+        sa, sb = path.lstat(), other.lstat()
+        assert (sa.st_mode, sa.st_uid, sa.st_rdev) == (sb.st_mode, sb.st_uid, sb.st_rdev), path
+        if path.is_symlink():
+            assert os.readlink(path) == os.readlink(other)
+        elif path.is_file():
+            assert path.read_bytes() == other.read_bytes()
+    assert os.getxattr(b / "opaque", "trusted.overlay.opaque") == b"y"
+    assert sorted(p.relative_to(a) for p in a.rglob("*")) == sorted(p.relative_to(b) for p in b.rglob("*"))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Task:  # what a worker reads of a task's image: its layer's path
+    layer: str | None
+
+    def replace(self, **changes):
+        return dataclasses.replace(self, **changes)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="overlay's marks (devices, trusted xattrs) are made by root")
+def test_a_worker_uses_the_trainers_layer_where_its_node_has_it_and_else_a_copy_sent_once(tmp_path, monkeypatch):
+    """A node that shares the trainer's image cache uses its layer in place; one that does
+    not asks for it (None), gets `pack_layer`'s tar, and keeps its copy for later episodes."""
+    monkeypatch.setattr(ray_backend, "LAYERS", str(tmp_path / "node" / "layers"))
+    layer = _layer(tmp_path / "images" / "a1b2" / "layer")
+    worker, task = ray_backend.Worker(), _Task(str(layer))
+    assert worker.local(task, None) == task
+    data = ray_backend.pack_layer(str(layer))
+    shutil.move(tmp_path / "images", tmp_path / "trainer-only")  # the node does not have the trainer's path
+    assert worker.local(task, None) is None
+    copy = worker.local(task, data).layer
+    assert copy.startswith(ray_backend.LAYERS + os.sep)
+    _same_layer(tmp_path / "trainer-only" / "a1b2" / "layer", pathlib.Path(copy))
+    assert worker.local(task, None).layer == copy  # unpacked once
+    assert worker.local(_Task(None), None) == _Task(None)
 
 
 def test_the_env_backend_is_read_from_the_job_config():
