@@ -62,6 +62,8 @@ class BuildRoot:
         self.mount_point = os.path.join(self.scratch, "root")
         for path in (self.skeleton, self.mount_point):
             os.makedirs(path, exist_ok=True)
+        os.makedirs(os.path.join(self.skeleton, "tmp"), exist_ok=True)  # an image's /tmp, as Docker's base images have
+        os.chmod(os.path.join(self.skeleton, "tmp"), 0o1777)
         self.mounts: list = [(isolation.Overlay((self.skeleton,), self.layer, self._work("root")), "/", True)]
         for path, kind in sorted(isolation.root_layout().items()):
             if kind != "host":

@@ -44,6 +44,19 @@ def test_each_task_gets_the_right_verdict(tmp_path, capsys):
     if host_tools.apt_package("ffmpeg")[0] is not None:
         assert any(p.startswith("ffmpeg ") for i in clip["environment"]["installs"] for p in i["installed"]), clip
 
+    # images built from the Dockerfile: data outside /app (a COPY to /data, a RUN writing /opt), a build context at
+    # the task's root (compose `context: ..`, `COPY app/`), a pip and an apt package the host lacks, a Go base image
+    for name in ("region-revenue", "invoice-rounding", "token-claims", "project-tree", "word-frequency-go"):
+        assert reports[name]["status"] == "pass", reports[name]
+    assert reports["region-revenue"]["environment"]["layer"] and not reports["invoice-rounding"]["environment"]["layer"]
+    installed = {n: [p for i in reports[n]["environment"]["installs"] for p in i.get("installed", [])] for n in reports}
+    assert "PyJWT 2.8.0" in installed["token-claims"] and any(p.startswith("tree ") for p in installed["project-tree"])
+    go = reports["word-frequency-go"]["environment"]["notes"]
+    assert any(n.startswith("FROM golang:1.22: Debian's golang-go") for n in go), go  # the stand-in, listed
+    # a second container beside the task's: unsupported, naming the compose file and the service
+    db = reports["orders-db"]
+    assert db["status"] == "unsupported" and db["reason"].startswith("environment/docker-compose.yaml: service 'db'")
+
     # [[steps]]: each step's checks after the earlier steps' solutions, the trial's reward
     steps = reports["release-notes"]
     assert steps["status"] == "pass", steps

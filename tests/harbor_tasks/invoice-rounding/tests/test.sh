@@ -1,0 +1,10 @@
+#!/bin/bash
+
+cd /app
+python3 -m pytest /tests/test_invoice.py -rA
+
+if [ $? -eq 0 ]; then
+  echo 1 > /logs/verifier/reward.txt
+else
+  echo 0 > /logs/verifier/reward.txt
+fi

@@ -1,0 +1,1 @@
+def pad(s): return s

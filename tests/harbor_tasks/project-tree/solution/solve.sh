@@ -1,0 +1,4 @@
+#!/bin/bash
+set -euo pipefail
+cd /app
+tree -a --charset ascii --noreport project > layout.txt
