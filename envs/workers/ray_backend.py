@@ -36,6 +36,7 @@ imported only here, when a pool starts, so nothing else needs it.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import dataclasses
 import hashlib
@@ -235,6 +236,7 @@ class RayWorkers:
         self._packing = threading.Lock()
         self._live = [_Slot(self._actor.remote()) for _ in range(count)]
         self._await_start(self._live)
+        atexit.register(self.close)  # runs before Ray's own exit handler ends the workers as they are
 
     def _await_start(self, slots: list[_Slot]) -> None:
         import ray
@@ -302,10 +304,11 @@ class RayWorkers:
         workers, and the Ray this pool started."""
         import ray
 
-        closing = [s.actor.close_all.remote() for s in self._live]
-        ray.wait(closing, num_returns=len(closing), timeout=CLOSE_SECONDS)
-        for s in self._live:
-            ray.kill(s.actor)
+        if self._live and ray.is_initialized():
+            closing = [s.actor.close_all.remote() for s in self._live]
+            ray.wait(closing, num_returns=len(closing), timeout=CLOSE_SECONDS)
+            for s in self._live:
+                ray.kill(s.actor)
         self._live = []
         if self._owns_ray:
             ray.shutdown()
