@@ -143,8 +143,8 @@ class Group:
                 _write(os.path.join(path, "memory.max"), str(memory_bytes))
             else:  # memsw (memory + swap) may not go below memory, nor memory above memsw: order matters
                 names = [n for n in _V1_MEMORY_FILES if os.path.exists(os.path.join(path, n))]
-                up = self.memory_limit is None or memory_bytes > self.memory_limit
-                for name in names if up else reversed(names):
+                up = self.memory_limit is not None and memory_bytes > self.memory_limit  # a new group's are unlimited
+                for name in reversed(names) if up else names:
                     _write(os.path.join(path, name), str(memory_bytes))
             self.memory_limit = memory_bytes
         if "cpu" in self.paths and cpus != self.cpu_limit:

@@ -426,7 +426,8 @@ class Sandbox:
         global _TOOLS_STARTED
         if _TOOLS_STARTED:
             return
-        found = self.run(f"{TOOLS}/bin/python3 -c 'import sys; print(sys.prefix)'", limits=Limits(wall_seconds=30.0))
+        found = self.run(f"{TOOLS}/bin/python3 -c 'import sys; print(sys.prefix)'",
+                         limits=self.limits.replace(wall_seconds=max(self.limits.wall_seconds, 30.0)))
         if not found.ok:
             self.close()
             raise SandboxError(f"the sandbox's python ({sys.executable}) does not start inside the sandbox: "

@@ -20,3 +20,24 @@ def test_cgroup_files_are_written_as_each_version_reads_them(tmp_path):
     assert len(v1.procs) == 2 and memory.startswith(str(tmp_path / "memory"))
     v1.set_limits(256 << 20, 2.0)
     assert open(f"{cpu}/cpu.cfs_quota_us").read() == "200000"
+
+
+def test_a_v1_memory_limit_moves_up_and_down_in_the_order_the_kernel_allows(tmp_path, monkeypatch):
+    """cgroup v1 refuses a memory limit above memory + swap's, and memory + swap's below the
+    memory limit: a limit raised writes memsw first, one lowered writes memory first."""
+    (tmp_path / "memory").mkdir()
+    written = []
+    real_write = cgroup._write
+
+    def write(path, value):
+        written.append((path.rsplit("/", 1)[1], int(value)))
+        real_write(path, value)
+
+    group = cgroup.Group(memory=("v1", str(tmp_path / "memory")), cpu=None, memory_bytes=512 << 20, cpus=1.0)
+    for name in cgroup._V1_MEMORY_FILES:  # the files the kernel would show, as the group was made
+        open(f"{group.paths['memory'][1]}/{name}", "a").close()
+    monkeypatch.setattr(cgroup, "_write", write)
+    group.set_limits(2 << 30, 1.0)
+    group.set_limits(256 << 20, 1.0)
+    assert written == [("memory.memsw.limit_in_bytes", 2 << 30), ("memory.limit_in_bytes", 2 << 30),
+                       ("memory.limit_in_bytes", 256 << 20), ("memory.memsw.limit_in_bytes", 256 << 20)]
