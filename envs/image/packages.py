@@ -51,6 +51,11 @@ BIN = "/usr/local/bin"
 DEBIAN_STATUS = host_tools.DEBIAN_STATUS
 _LISTS_MAX_AGE_S = 24 * 3600
 _PROVIDED = {"pip", "setuptools", "wheel", "uv"}  # the sandbox's own tools
+# another distribution's name (Ubuntu's mostly) -> Debian's nearest package, tried when Debian has no such name
+_SUBSTITUTES = {"chromium-browser": "chromium", "chromium-chromedriver": "chromium-driver",
+                "mysql-server": "default-mysql-server", "mysql-client": "default-mysql-client",
+                "linux-tools-common": "linux-perf", "linux-tools-generic": "linux-perf", "libv8-dev": "libnode-dev"}
+_OTHER_JDK = re.compile(r"openjdk-\d+-(jdk|jre)(-headless)?")  # bookworm's is 17
 _INST = re.compile(r"^Inst (\S+) (?:\[(\S+)\] )?\((\S+) .*\[(\S+)\]\)", re.M)
 
 
@@ -85,6 +90,24 @@ def _locked(directory: str):
         yield directory
 
 
+def _once(path: str, make) -> str:
+    """``path``, made by ``make(staging)`` the first time (an unpacked package, kept for every
+    later layer: copying it is much cheaper than unpacking it again)."""
+    if not os.path.isdir(path):
+        staging = path + ".partial"
+        shutil.rmtree(staging, ignore_errors=True)
+        os.makedirs(staging)
+        make(staging)
+        os.rename(staging, path)
+    return path
+
+
+def _lay(tree: str, layer: str) -> None:
+    """Copy ``tree`` over ``layer`` (the directories they share merged)."""
+    os.makedirs(layer, exist_ok=True)
+    subprocess.run(["cp", "-a", "--reflink=auto", f"{tree}/.", f"{layer}/"], check=True, capture_output=True)
+
+
 def _last_error(text: str) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     errors = [ln for ln in lines if ln.startswith(("ERROR:", "E:"))]
@@ -92,11 +115,11 @@ def _last_error(text: str) -> str:
 
 
 # ----- python ------------------------------------------------------------------------------------
-def _pip(args: list[str], layer: str) -> subprocess.CompletedProcess:
+def _pip(args: list[str], layer: str | None) -> subprocess.CompletedProcess:
     """pip of the sandbox's interpreter, seeing the layer's packages as installed, before the host's."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(PYTHONNOUSERSITE="1", PIP_DISABLE_PIP_VERSION_CHECK="1", PIP_NO_INPUT="1")
-    if os.path.isdir(layer + SITE):
+    if layer and os.path.isdir(layer + SITE):
         env["PYTHONPATH"] = layer + SITE
     return subprocess.run([sys.executable, "-m", "pip", *args], env=env, capture_output=True, text=True)
 
@@ -160,10 +183,61 @@ sys.exit({attr}())
 '''
 
 
+def _installed_alone(wheels: str, plan: list[tuple[str, str]]) -> list[str]:
+    """Each ``name==version`` of ``plan`` installed by itself (``--no-deps --target``) from
+    the wheel cache, once per machine and interpreter version: one pip run installs those
+    not yet there, and their files are parted by each distribution's RECORD."""
+    python = f"py{sys.version_info[0]}{sys.version_info[1]}"
+    trees = [os.path.join(os.path.dirname(wheels), "installed", python, f"{host_tools._normal(n)}-{v}") for n, v in plan]
+    todo = [(n, v) for (n, v), tree in zip(plan, trees) if not os.path.isdir(tree)]
+    if not todo:
+        return trees
+    with tempfile.TemporaryDirectory(prefix="glmjax-pip-", dir=os.path.dirname(wheels)) as staging:
+        result = _pip(["install", "--quiet", "--no-deps", "--no-index", "--find-links", wheels, "--target", staging,
+                       *(f"{n}=={v}" for n, v in todo)], layer=None)
+        if result.returncode != 0:
+            raise _Failed(f"python packages {' '.join(f'{n}=={v}' for n, v in todo)}: {_last_error(result.stderr)}")
+        for dist in importlib.metadata.distributions(path=[staging]):
+            name = host_tools._normal(dist.metadata["Name"])
+
+            def part(tree: str) -> None:
+                for file in dist.files or ():  # pip's console scripts (bin/) are left out: see _console_scripts
+                    source = os.path.normpath(os.path.join(staging, file))
+                    if source.startswith(staging + os.sep) and not source.startswith(staging + "/bin/") \
+                            and os.path.lexists(source):
+                        os.makedirs(os.path.dirname(os.path.join(tree, file)), exist_ok=True)
+                        os.rename(source, os.path.normpath(os.path.join(tree, file)))
+
+            _once(os.path.join(os.path.dirname(wheels), "installed", python, f"{name}-{dist.version}"), part)
+    lost = [f"{n}=={v}" for (n, v), tree in zip(plan, trees) if not os.path.isdir(tree)]
+    if lost:
+        raise _Failed(f"python packages {' '.join(lost)}: pip installed no distribution of that name and version")
+    return trees
+
+
+class _Failed(Exception):
+    """A package that was resolved but cannot be installed (its message names it)."""
+
+
+def _remove(site: str, name: str) -> None:
+    """Take an earlier step's version of ``name`` out of ``site`` before another goes in."""
+    for dist in importlib.metadata.distributions(name=name, path=[site]):
+        dirs = set()
+        for file in dist.files or ():  # its RECORD, which lists the .dist-info directory's files too
+            path = os.path.normpath(os.path.join(site, file))
+            if path.startswith(site + os.sep) and (os.path.isfile(path) or os.path.islink(path)):
+                os.unlink(path)
+                dirs.add(os.path.dirname(path))
+        for directory in sorted(dirs, key=len, reverse=True):
+            while directory.startswith(site + os.sep) and os.path.isdir(directory) and not os.listdir(directory):
+                os.rmdir(directory)  # a directory left empty (one another distribution shares is not)
+                directory = os.path.dirname(directory)
+
+
 def _console_scripts(layer: str, names: set[str]) -> None:
     """Console scripts of the distributions ``names`` in ``layer/BIN``, run by the sandbox's
-    interpreter with the layer's packages on its path (pip's own in ``SITE/bin`` are not)."""
-    shutil.rmtree(os.path.join(layer + SITE, "bin"), ignore_errors=True)
+    interpreter with the layer's packages on its path (pip's own, with a plain shebang, are
+    left out)."""
     os.makedirs(layer + BIN, exist_ok=True)
     for dist in importlib.metadata.distributions(path=[layer + SITE]):
         if host_tools._normal(dist.metadata["Name"]) not in names:
@@ -202,14 +276,15 @@ def python_packages(requirements: list[str], layer: str) -> Report:
             if result.returncode != 0:
                 report.missing.append(f"python packages {' '.join(fetch)}: {_last_error(result.stderr)}")
                 return report
-        if plan:
-            result = _pip(["install", "--quiet", "--no-deps", "--no-index", "--find-links", wheels, "--upgrade",
-                           "--target", layer + SITE, *(f"{n}=={v}" for n, v in plan)], layer)
-            if result.returncode != 0:
-                report.missing.append(f"python packages {' '.join(f'{n}=={v}' for n, v in plan)}: "
-                                      f"{_last_error(result.stderr)}")
-                return report
-            _console_scripts(layer, {host_tools._normal(n) for n, _ in plan})
+        try:
+            trees = _installed_alone(wheels, plan)
+        except _Failed as err:
+            report.missing.append(str(err))
+            return report
+        for (name, _), tree in zip(plan, trees):
+            _remove(layer + SITE, name)
+            _lay(tree, layer + SITE)
+        _console_scripts(layer, {host_tools._normal(n) for n, _ in plan})
     report.installed += [f"{n} {v}" for n, v in plan]
     got = {host_tools._normal(n): v for n, v in plan}
     failed = " ".join(report.missing)
@@ -240,6 +315,7 @@ def _apt_config(root: str) -> str:
         os.makedirs(os.path.join(root, sub), exist_ok=True)
     lines += [f'Dir::State::Lists "{root}/lists";', f'Dir::Cache "{root}/cache";',
               f'Dir::Cache::Archives "{root}/archives";', f'Dir::Etc::Parts "{root}/parts";',
+              f'Dir::State::extended_states "{root}/extended_states";',
               'APT::Sandbox::User "root";', 'Debug::NoLocking "true";', 'APT::Install-Recommends "false";',
               'APT::Get::Assume-Yes "true";', 'Dpkg::Use-Pty "false";']
     path = os.path.join(root, "apt.conf")
@@ -279,12 +355,18 @@ def _debian_plan(root: str, names: list[str], report: Report) -> list[tuple[str,
     if found is not None:
         return found
     plan = {}
-    for name in names:  # one at a time: which one fails, and a pinned version's fallback
+    for name in names:  # one at a time: which one fails, and a pinned version's or another name's fallback
         found, error = _simulate(root, [name])
         if found is None and "=" in name:
             found, _ = _simulate(root, [name.split("=")[0]])
             if found is not None:
                 report.notes.append(f"{name}: that version is not in the archive ({error}); its candidate instead")
+        other = _SUBSTITUTES.get(name) or (_OTHER_JDK.sub(r"openjdk-17-\1\2", name)
+                                           if _OTHER_JDK.fullmatch(name) else None)
+        if found is None and other:
+            found, _ = _simulate(root, [other])
+            if found is not None:
+                report.notes.append(f"{name}: not in Debian's archive ({error}); Debian's {other} instead")
         if found is None:
             report.missing.append(f"Debian package {name}: {error}")
         plan.update({p[0]: p for p in found or ()})
@@ -295,27 +377,33 @@ def _archive(root: str, package: str, version: str, arch: str) -> str:
     return os.path.join(root, "archives", f"{package}_{version.replace(':', '%3a')}_{arch}.deb")
 
 
-def _unpack(deb: str, layer: str) -> str:
-    """Unpack ``deb`` into ``layer``; its dpkg status stanza."""
-    subprocess.run(["dpkg-deb", "-x", deb, layer], check=True, capture_output=True)
-    control = subprocess.run(["dpkg-deb", "-f", deb], check=True, capture_output=True, text=True).stdout
-    return "Status: install ok installed\n" + control.strip() + "\n"
+def _unpacked(root: str, deb: str) -> str:
+    """``deb`` unpacked once per machine: ``files/`` (its tree, with ``/bin``, ``/lib``...
+    folded into ``/usr`` where the host's are links there, as dpkg would place them) and
+    ``control/`` (its control files and maintainer scripts)."""
+
+    def unpack(staging: str) -> None:
+        files = os.path.join(staging, "files")
+        subprocess.run(["dpkg-deb", "-x", deb, files], check=True, capture_output=True)
+        subprocess.run(["dpkg-deb", "-e", deb, os.path.join(staging, "control")], check=True, capture_output=True)
+        for top in os.listdir(files):
+            if os.path.islink("/" + top) and os.path.isdir(os.path.join(files, top)):
+                target = os.path.join(files, os.path.realpath("/" + top).lstrip("/"))
+                _lay(os.path.join(files, top), target)
+                shutil.rmtree(os.path.join(files, top))
+
+    return _once(os.path.join(root, "unpacked", os.path.basename(deb)[:-len(".deb")]), unpack)
 
 
-def _maintainer_scripts(deb: str, layer: str) -> tuple[bool, list[str]]:
-    """(whether ``deb`` has install scripts, the links made for them): the scripts do not
-    run, but the ``update-alternatives --install LINK NAME PATH`` of its postinst (how
-    figlet, java or cc get their command names) is made as a plain link, where neither the
-    host nor the layer has LINK."""
-    with tempfile.TemporaryDirectory(prefix="glmjax-deb-") as control:
-        subprocess.run(["dpkg-deb", "-e", deb, control], check=True, capture_output=True)
-        scripts = [n for n in ("preinst", "postinst") if os.path.exists(os.path.join(control, n))]
-        postinst = host_tools._read_text(os.path.join(control, "postinst")) or ""
-    links = []
+def _alternatives(postinst: str, layer: str) -> list[str]:
+    """The ``update-alternatives --install LINK NAME PATH`` links of a postinst (how figlet,
+    java or cc get their command names), made as plain links in ``layer`` where neither the
+    host nor the layer has LINK; the rest of the script does not run."""
     try:
         commands = shell_syntax.commands(postinst)
     except shell_syntax.ShellSyntaxError:
-        commands = []
+        return []
+    links = []
     for command in commands:
         words = command.words
         if words[:2] != ["update-alternatives", "--install"] or any("$" in w for w in words):
@@ -327,7 +415,7 @@ def _maintainer_scripts(deb: str, layer: str) -> tuple[bool, list[str]]:
                 os.makedirs(os.path.dirname(layer + link), exist_ok=True)
                 os.symlink(target, layer + link)
                 links.append(link)
-    return bool(scripts), links
+    return links
 
 
 def debian_packages(names: list[str], layer: str) -> Report:
@@ -365,12 +453,15 @@ def debian_packages(names: list[str], layer: str) -> Report:
                 return report
         stanzas, scripted = [], []
         for package, old, version, arch in plan:
-            deb = _archive(root, package, version, arch)
-            stanzas.append(_unpack(deb, layer))
+            unpacked = _unpacked(root, _archive(root, package, version, arch))
+            _lay(os.path.join(unpacked, "files"), layer)
+            control = host_tools._read_text(os.path.join(unpacked, "control", "control")) or ""
+            stanzas.append("Status: install ok installed\n" + control.strip() + "\n")
             report.installed.append(f"{package} {version}")
-            has_scripts, links = _maintainer_scripts(deb, layer)
-            scripted += [package + (f" (its alternatives linked: {', '.join(links)})" if links else "")] \
-                if has_scripts else []
+            if any(os.path.exists(os.path.join(unpacked, "control", n)) for n in ("preinst", "postinst")):
+                links = _alternatives(host_tools._read_text(os.path.join(unpacked, "control", "postinst")) or "",
+                                      layer)
+                scripted.append(package + (f" (its alternatives linked: {', '.join(links)})" if links else ""))
             if old:
                 report.notes.append(f"{package}: the host's {old} is {version} in the layer (a dependency needs it)")
     os.makedirs(os.path.dirname(layer + DEBIAN_STATUS), exist_ok=True)

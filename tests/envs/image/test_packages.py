@@ -5,6 +5,7 @@ package is downloaded once and the second fetch of a test shows that the cache n
 network.
 """
 
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -65,6 +66,9 @@ def test_python_packages_honour_pins_for_the_sandboxs_interpreter(cache, tmp_pat
     assert set(again.installed) == set(report.installed) - {i for i in report.installed if i.startswith("requests")}
     assert calls and all("--no-index" in c for c in calls), calls  # the wheel cache alone
     assert packages.python_packages(["PyJWT==2.8.0"], layer).notes == ["PyJWT 2.8.0 already in the layer"]
+    # a later step's pin replaces an earlier one's in the layer, as pip would in the image
+    assert packages.python_packages(["PyJWT==2.7.0"], layer).installed == ["PyJWT 2.7.0"]
+    assert [d.version for d in importlib.metadata.distributions(name="PyJWT", path=[layer + packages.SITE])] == ["2.7.0"]
 
 
 def test_what_the_index_lacks_is_named_and_a_missing_pin_falls_back(cache, tmp_path):
