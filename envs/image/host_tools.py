@@ -89,7 +89,8 @@ def same_python(asked: str) -> bool:
 
 
 # ----- resolution --------------------------------------------------------------------------------
-def _normal(name: str) -> str:
+def normal_name(name: str) -> str:
+    """A distribution's name as PyPI compares names (``PyJWT``, ``pyjwt``, ``Py_JWT``: one)."""
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
@@ -113,7 +114,7 @@ def python_package(requirement: str) -> tuple[str | None, str]:
     if not found:
         return requirement, f"{requirement!r} is not a requirement glmjax can resolve"
     name, spec = found.group(1), found.group(3).strip()
-    if _normal(name) in ("uv", "pip", "setuptools", "wheel"):
+    if normal_name(name) in ("uv", "pip", "setuptools", "wheel"):
         return None, f"{name}: provided by the sandbox"
     try:
         dist = _distribution(name)

@@ -139,7 +139,8 @@ def _python(requirement: str) -> tuple[str | None, str]:
     if note.endswith("not a requirement glmjax can resolve"):
         return missing, note
     have = re.search(r": (\S+) present", note)
-    return None, f"{requirement}: fetched from PyPI into the layer" + (f" (the host has {have.group(1)})" if have else "")
+    host = f" (the host has {have.group(1)})" if have else ""
+    return None, f"{requirement}: fetched from PyPI into the layer{host}"
 
 
 def _debian(name: str, manager: str, path: str, python: list[str], debian: list[str]) -> tuple[str | None, str]:

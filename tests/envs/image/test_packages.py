@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from envs.image import host_tools, installs, packages
+from envs.image import debian, host_tools, installs, packages, pypi
 from envs.sandbox.sandbox import Sandbox
 
 
@@ -32,9 +32,9 @@ def cache(tmp_path_factory):
 def calls(monkeypatch):
     """The pip and apt-get command lines a test runs, recorded."""
     seen = []
-    pip, apt_get = packages._pip, packages._apt_get
-    monkeypatch.setattr(packages, "_pip", lambda args, layer: seen.append(["pip", *args]) or pip(args, layer))
-    monkeypatch.setattr(packages, "_apt_get", lambda root, args: seen.append(["apt-get", *args]) or apt_get(root, args))
+    pip, apt_get = pypi._pip, debian._apt_get
+    monkeypatch.setattr(pypi, "_pip", lambda args, layer: seen.append(["pip", *args]) or pip(args, layer))
+    monkeypatch.setattr(debian, "_apt_get", lambda root, args: seen.append(["apt-get", *args]) or apt_get(root, args))
     return seen
 
 
@@ -68,7 +68,8 @@ def test_python_packages_honour_pins_for_the_sandboxs_interpreter(cache, tmp_pat
     assert packages.python_packages(["PyJWT==2.8.0"], layer).notes == ["PyJWT 2.8.0 already in the layer"]
     # a later step's pin replaces an earlier one's in the layer, as pip would in the image
     assert packages.python_packages(["PyJWT==2.7.0"], layer).installed == ["PyJWT 2.7.0"]
-    assert [d.version for d in importlib.metadata.distributions(name="PyJWT", path=[layer + packages.SITE])] == ["2.7.0"]
+    found = importlib.metadata.distributions(name="PyJWT", path=[layer + packages.SITE])
+    assert [d.version for d in found] == ["2.7.0"]
 
 
 def test_what_the_index_lacks_is_named_and_a_missing_pin_falls_back(cache, tmp_path):
