@@ -98,8 +98,9 @@ _SCHEMA = {  # table -> {field: (types, what it must be)}; tables themselves mus
     "metadata": {"difficulty": ((str, int), "a string or an integer"), "category": ((str,), "a string"),
                  "glmjax": ((str,), "a JSON string")},
     "verifier": {"timeout_sec": (_NUMBER, "a number of seconds"), "env": ((dict,), "a table of strings")},
-    "agent": {"timeout_sec": (_NUMBER, "a number of seconds")},
-    "environment": {"docker_image": ((str,), "a string"), "workdir": ((str,), "a path")},
+    "agent": {"timeout_sec": (_NUMBER, "a number of seconds"), "user": ((str,), "a user name")},
+    "environment": {"docker_image": ((str,), "a string"), "workdir": ((str,), "a path"),
+                    "env": ((dict,), "a table of strings")},
     "task": {"name": ((str,), "a string")},
     "solution": {}, "steps": None,
 }
@@ -229,10 +230,12 @@ def _load_harbor(path: str) -> HarborTask:
     image = _image(path, "harbor", environment.get("workdir"), environment.get("docker_image"), scripts)
     unsupported = image.unsupported or unsupported
     files, modes = image.contents("app")
-    workdir, env = image.workdir, {**image.env, **verifier.get("env", {})}
+    workdir, env = image.workdir, {**image.env, **environment.get("env", {}), **verifier.get("env", {})}
     all_installs = image.installs + tuple(i.to_dict() for i in scripts)
-    # one environment for all steps
-    loaded_steps = tuple(s.replace(installs=all_installs, workdir=workdir, env=env) for s in loaded_steps)
+    user = config.get("agent", {}).get("user") or image.user
+    # one environment for all steps; a step's verifier has its own variables too
+    loaded_steps = tuple(s.replace(installs=all_installs, workdir=workdir, env={**env, **s.env}, user=user)
+                         for s in loaded_steps)
     strategy = config.get("multi_step_reward_strategy", "mean")
     if strategy not in ("mean", "final"):
         raise HarborFormatError(f"{path}/task.toml: multi_step_reward_strategy must be \"mean\" or \"final\", "
@@ -247,7 +250,7 @@ def _load_harbor(path: str) -> HarborTask:
         solution=solve.decode() if solve is not None else None, solution_files=solution_files, tests=tests,
         partials=partials, env=env,
         agent_timeout=agent_timeout, verifier_timeout=verifier_timeout,
-        workdir=workdir, unsupported=unsupported, source=os.path.abspath(path),
+        workdir=workdir, unsupported=unsupported, source=os.path.abspath(path), user=user,
         installs=all_installs, notes=image.notes + tuple(agent_writable_code(tests, workdir)))
 
 
@@ -298,6 +301,7 @@ def _load_steps(path: str, config: dict, task_id: str, task_tests: dict, agent_t
         out.append(HarborTask(
             id=_task_id(f"{task_id}.{name}", {}), instruction=instruction, domain="step", tests=tests,
             solution=solve.decode() if solve is not None else None, solution_files=solution_files,
+            env=dict(entry.get("verifier", {}).get("env", {})),
             agent_timeout=float(entry.get("agent", {}).get("timeout_sec", agent_timeout)),
             verifier_timeout=float(entry.get("verifier", {}).get("timeout_sec", verifier_timeout)),
             min_reward=None if min_reward is None else float(min_reward)))
@@ -364,7 +368,7 @@ def _load_terminal_bench(path: str) -> HarborTask:
         files=files, modes=modes, tmp_files=image.contents("tmp")[0], layer=image.layer, solution=solution,
         tests=tests, test_command="bash /tests/run-tests.sh", env=image.env,
         agent_timeout=float(config.get("max_agent_timeout_sec", 180.0)),
-        verifier_timeout=float(config.get("max_test_timeout_sec", 60.0)), workdir=image.workdir,
+        verifier_timeout=float(config.get("max_test_timeout_sec", 60.0)), workdir=image.workdir, user=image.user,
         unsupported=unsupported, source=os.path.abspath(path),
         installs=image.installs + tuple(i.to_dict() for i in scripts), notes=image.notes)
 

@@ -64,7 +64,9 @@ class HarborTask(Task):
     it; ``tests``: the tests/ directory; ``modes``: permission bits of ``files``'s
     entries where they matter (an executable the image built), and of its directories (a
     path ending in "/"; an empty one is only here); ``layer``: the image's layer
-    (``envs/image/build.py``), laid read-only over the sandbox's root; ``partials``:
+    (``envs/image/build.py``), laid read-only over the sandbox's root; ``user``: the user
+    agent commands run as in the image (its ``USER``, ``[agent] user``), whose name the
+    sandbox's uid takes; ``partials``:
     half-done solutions (each must score 0);
     ``installs``: how each install step was resolved; ``notes``: what the emulation left out;
     ``storage_bytes``: the task's ``[environment] storage_mb``: the largest file it may write and the
@@ -85,6 +87,7 @@ class HarborTask(Task):
     partials: tuple[str, ...] = ()
     modes: Mapping[str, int] = dataclasses.field(default_factory=dict)
     layer: str | None = None
+    user: str = ""
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     agent_timeout: float = 120.0
     verifier_timeout: float = 120.0
@@ -188,9 +191,9 @@ def task_env(sandbox: Sandbox, task: HarborTask, *, verifier: bool = False) -> d
 
 def task_sandbox(task: HarborTask, limits, **kwargs) -> Sandbox:
     """A fresh sandbox for ``task``: its limits (``task_limits``), its source hidden, its
-    image's layer laid over the root."""
+    image's layer laid over the root, its user's name."""
     return Sandbox(limits=task_limits(task, limits), hide=(task.source,) if task.source else (), layer=task.layer,
-                   **kwargs)
+                   user=task.user, **kwargs)
 
 
 def prepare(sandbox: Sandbox, task: HarborTask) -> None:

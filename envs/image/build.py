@@ -64,6 +64,7 @@ _IN, _OUT = "/.glmjax-in", "/.glmjax-out"  # the sources of a COPY, and what a s
 _UV_IMAGE = re.compile(r"(^|/)astral-sh/uv(:|@|$)")
 _WRAPPERS = {"sudo", "env", "command", "exec", "nice", "nohup", "time", "stdbuf", "timeout"}
 _NOTED = {"CMD", "ENTRYPOINT", "HEALTHCHECK", "ONBUILD", "VOLUME"}
+_PLAIN_ENTRY = {"bash", "sh", "dash", "zsh", "tini", "dumb-init", "-c", "--", "-l", "-s"}  # start nothing of their own
 _BUILDER_FILES = (__file__, dockerfile.__file__, contexts.__file__, packages.__file__, host_tools.__file__,
                   shell_syntax.__file__, sys.modules[BuildRoot.__module__].__file__)
 
@@ -207,7 +208,8 @@ class _Build:
                 os.makedirs(os.path.join(self.staging, part))
         _prune(layer)
         if final.user and final.user not in ("root", "0", "0:0"):
-            self.notes.append(f"USER {final.user}: agent and verifier commands run as the sandbox's own users")
+            self.notes.append(f"USER {final.user}: agent commands run as the sandbox's own uid, under that name; the "
+                              "verifier's as root of its own user namespace")
         return Image(None, workdir, dict(final.env), final.user, tuple(dict.fromkeys(self.notes)),
                      tuple(self.installs), unsupported)
 
@@ -230,6 +232,10 @@ class _Build:
             handler = getattr(self, f"_{step.op.lower()}", None)
             if handler is not None:
                 handler(index, step)
+            elif step.op == "ENTRYPOINT" and index == len(self.stages) - 1 and not _PLAIN_ENTRY.issuperset(
+                    posixpath.basename(w) for w in step.words):
+                raise _Unsupported(f"{step.where}: ENTRYPOINT {' '.join(step.words)}: the image's container starts it "
+                                   "before any command, and a sandbox starts nothing (no process outlives a command)")
             elif step.op in _NOTED:
                 self.notes.append(f"{step.where}: {step.op} {' '.join(step.words)}: not applied "
                                   "(nothing is started in a sandbox)")

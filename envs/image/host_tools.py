@@ -207,7 +207,7 @@ def pip_requirements(args: list[str], read=_read_text) -> tuple[list[str], list[
             if text is None:
                 sources.append(f"-r {path} (file not found)")
                 continue
-            words = [w for ln in text.splitlines() for w in ln.split("#", 1)[0].split()]
+            words = [w for ln in text.splitlines() for w in ln.split("#", 1)[0].split() if w != "\\"]  # a continuation
             more, bad = pip_requirements(words, read)
             reqs, sources = reqs + more, sources + bad
         elif arg in _PIP_FLAGS_WITH_VALUE:

@@ -60,3 +60,25 @@ def graft(layer: str, skip: tuple[str, ...]) -> tuple[tuple[object, str, bool], 
     if layer and os.path.isdir(layer):
         visit("/")
     return tuple(mounts)
+
+
+def named_user(name: str, uid: int, layer: str | None, out: str) -> tuple[tuple[str, str, bool], ...]:
+    """Binds of ``/etc/passwd`` and ``/etc/group`` (the layer's, else the host's), written
+    under ``out``, in which ``name`` is ``uid``: the image's user is the sandbox's."""
+    mounts = []
+    for table, fields in (("passwd", 7), ("group", 4)):
+        source = next((p for p in (f"{layer}/etc/{table}" if layer else "", f"/etc/{table}")
+                       if p and os.path.isfile(p) and not os.path.islink(p)), None)
+        with open(source, errors="replace") if source else open(os.devnull) as f:
+            rows = [line.rstrip("\n").split(":") for line in f if line.strip()]
+        rows = [r for r in rows if r[0] != name and (len(r) < 3 or r[2] != str(uid))]
+        home = f"/home/{name}"
+        rows.append([name, "x", str(uid), str(uid), "", home, "/bin/bash"] if table == "passwd" else
+                    [name, "x", str(uid), ""])
+        path = os.path.join(out, table)
+        with open(path, "w") as f:
+            f.writelines(":".join(r[:fields] if len(r) >= fields else r) + "\n" for r in rows)
+        os.chmod(path, 0o644)
+        mounts.append((path, f"/etc/{table}", False))
+    return tuple(mounts)
+

@@ -343,12 +343,15 @@ class Sandbox:
     namespaces and root afresh, in place of entering the episode's (``Isolation.entry``;
     default: ``$GLMJAX_SANDBOX_ENTRY``, "episode" or "command", else "episode").
     ``layer``: an image's layer (``envs/sandbox/build.py`` builds it), laid read-only over
-    the root (``envs/sandbox/layers.py``); it needs ``filesystem="chroot"``.
+    the root (``envs/sandbox/layers.py``); it needs ``filesystem="chroot"``. ``user``: the
+    image's user name (its ``USER``, a task's ``[agent] user``), which ``/etc/passwd`` and
+    ``/etc/group`` give to the sandbox's uid, so that ``whoami`` and ``~user`` answer as in
+    the image.
     """
 
     def __init__(self, *, limits: Limits = Limits(), network: str = "none", filesystem: str = "auto",
                  base_dir: str | None = None, hide: tuple[str, ...] = (), per_command: bool | None = None,
-                 layer: str | None = None):
+                 layer: str | None = None, user: str = ""):
         if network not in ("none", "host"):
             raise ValueError(f"network must be 'none' or 'host', got {network!r}")
         if filesystem not in ("auto", "chroot", "plain"):
@@ -414,6 +417,8 @@ class Sandbox:
         self._binds = ((tool_dir(), TOOLS, False),) + _interpreter_binds() if chroot else ()
         own = (*VIRTUAL_DIRS, "/logs/verifier", *(inside for _, inside, _ in self._binds))
         self._layer = layers.graft(layer, skip=own) if layer else ()
+        if user and chroot and self.uid is not None:
+            self._layer += layers.named_user(user, self.uid, layer, self.root)
         sandbox_dirs = (self.root, base_dir or tempfile.gettempdir())
         self._hidden = tuple(p for p in (*hide, *sandbox_dirs) if p)
         self._closed = False

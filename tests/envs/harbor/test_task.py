@@ -81,6 +81,17 @@ def test_dockerfile_is_emulated_and_workdir_mapped(tmp_path):
     assert validate(task, filesystem="plain").passed  # the fallback rewrites the paths instead
 
 
+def test_agent_commands_run_under_the_images_user_name_with_the_environments_variables(tmp_path):
+    docker = "FROM ubuntu:24.04\nRUN useradd --create-home agent\nWORKDIR /app\n"
+    solve = "#!/bin/bash\necho \"$(whoami) $GREETING\" > /app/who.txt\n"
+    test = "#!/bin/bash\n[ \"$(cat /app/who.txt)\" = \"agent hi\" ]\n"
+    task = harbor_dirs.load_task(str(write_task(tmp_path, "user", solve=solve, test=test, dockerfile=docker,
+                                                extra_toml='user = "agent"\n\n[environment.env]\nGREETING = "hi"\n')))
+    assert task.user == "agent" and task.env["GREETING"] == "hi"
+    report = validate(task)
+    assert report.passed, report.to_dict()
+
+
 @pytest.mark.parametrize("case", ["apt", "compose", "add_url", "run_fails", "test_needs_network"])
 def test_environments_that_cannot_be_set_up_are_unsupported(tmp_path, case):
     docker = {"apt": "FROM ubuntu\nRUN apt-get update && apt-get install -y jq glmjax-no-such-package\n",

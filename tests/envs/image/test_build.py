@@ -98,6 +98,9 @@ def test_stages_users_and_the_cache(tmp_path, monkeypatch):
     shadow = open(f"{image.layer}/etc/shadow").read()  # written through the mask: no password hash of the host's
     assert "\nagent:" in shadow and not re.search(r"^[^:]*:\$", shadow, re.M), shadow
 
+    with Sandbox(layer=image.layer, user="agent") as box:  # the sandbox's uid takes the image's user's name
+        assert box.run("whoami; echo ~agent").output.split() == ["agent", "/home/agent"]
+
     def no_build(*args):
         raise AssertionError("the cached image was built again")
 
@@ -131,6 +134,8 @@ def test_the_sandbox_sees_the_layer_read_only(tmp_path):
     ("FROM x\nRUN echo building && exit 3\n", "line 2: RUN echo building && exit 3 fails in the build sandbox [exit 3]"),
     ("FROM x\nCOPY ../secret /opt/\n", "COPY source '../secret' is outside the build context"),
     ("FROM x\nUSER nobody-here\nRUN true\n", "line 2: USER nobody-here: no such user in the image"),
+    ("FROM x\nCOPY <<EOF /start.sh\nsleep 1\nEOF\nENTRYPOINT [\"/start.sh\"]\nCMD [\"bash\"]\n",
+     "line 5: ENTRYPOINT /start.sh: the image's container starts it"),
 ])
 def test_what_cannot_be_reproduced_names_its_step(tmp_path, docker, reason):
     image = _build(_task(tmp_path, docker))
