@@ -24,7 +24,7 @@ sandbox's ``/app`` and ``/tmp`` its ``/tmp``: their contents are moved out of th
 ``app/`` and ``tmp/``, which every episode copies; the rest of the layer is laid read-only
 over each sandbox's root (``envs/sandbox/layers.py``).
 
-Cache: ``$GLMJAX_IMAGE_CACHE`` (default ``~/.cache/glmjax/images``), one directory per key,
+Cache: ``cache_dir()`` (default ``~/.cache/glmjax/images``), one directory per key,
 the hash of the Dockerfile, the files of the context a build sees, the working directory
 and this builder's own files (so a change to the builder rebuilds). Each holds ``layer/``,
 ``app/``, ``tmp/`` and ``image.json``; a build runs in a staging directory under a lock,
@@ -110,8 +110,10 @@ class Image:
 
 
 def cache_dir() -> str:
-    return os.environ.get("GLMJAX_IMAGE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "glmjax",
-                                                                 "images")
+    """``$GLMJAX_IMAGE_CACHE``, else ``images`` in the machine's glmjax cache (``$GLMJAX_CACHE``,
+    default ``~/.cache/glmjax``, where ``envs/image/packages.py`` keeps its downloads)."""
+    root = os.environ.get("GLMJAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "glmjax")
+    return os.environ.get("GLMJAX_IMAGE_CACHE") or os.path.join(root, "images")
 
 
 def _builder_version() -> str:
@@ -132,7 +134,8 @@ def build(source: contexts.Source, workdir: str | None = None,
         return Image(None, workdir or "/app", unsupported=source.unsupported,
                      notes=("no Dockerfile: the host stands in for the image as it is",))
     stages = dockerfile.read(source.dockerfile, source.where)
-    key = hashlib.sha256(f"{_builder_version()}\0{contexts.digest(source)}\0{workdir}\0{also}".encode()).hexdigest()[:24]
+    what = f"{_builder_version()}\0{contexts.digest(source)}\0{workdir}\0{also}"
+    key = hashlib.sha256(what.encode()).hexdigest()[:24]
     root = cache_dir()
     entry = os.path.join(root, key)
     os.makedirs(root, mode=0o755, exist_ok=True)
@@ -168,7 +171,7 @@ class _Build:
         self.roots: dict[int, BuildRoot] = {}
         self.notes: list[str] = []
         self.installs: list[dict] = []
-        self.visible = [p for p in self._context_files()]
+        self.visible = self._context_files()
 
     def _context_files(self) -> list[str]:
         return [e.path + ("/" if e.is_dir else "") for e in tree.walk(self.source.context)
@@ -182,7 +185,7 @@ class _Build:
         try:
             self._stage(last)
             python, debian = also
-            where = dockerfile.Instruction("RUN", (), {}, "the tests' and solution's scripts")
+            where = "the tests' and solution's scripts"
             if debian:
                 self._record(where, " ".join(["apt-get install"] + debian),
                              packages.debian_packages(debian, self.layers[last]))
@@ -319,10 +322,10 @@ class _Build:
         for command in found:
             words = _unwrap(command.words)
             name, args = (posixpath.basename(words[0]), words[1:]) if words else ("", [])
-            if name in ("apt-get", "apt", "aptitude"):
+            if name in ("apt-get", "apt", "aptitude", "apk", "yum", "dnf", "microdnf"):  # as Debian's packages
                 names = host_tools.apt_packages(args)
                 if names:
-                    self._record(step, step.script[command.start:command.end],
+                    self._record(step.where, step.script[command.start:command.end],
                                  packages.debian_packages([n for n in names if "$" not in n], layer))
                 spans.append((command.start, command.end, "true"))
             elif name in ("pip", "pip3") or (name == "uv" and args[:2] == ["pip", "install"]):
@@ -333,18 +336,20 @@ class _Build:
                 if sources:
                     raise _Unsupported(f"{step.where}: `{_short(step.script[command.start:command.end])}`: "
                                        f"installs {sources[0]}, which only pip inside the image could build")
-                self._record(step, step.script[command.start:command.end], packages.python_packages(reqs, layer), reqs)
+                self._record(step.where, step.script[command.start:command.end],
+                             packages.python_packages(reqs, layer), reqs)
                 spans.append((command.start, command.end, "true"))
         return shell_syntax.rewrite(step.script, spans)
 
-    def _record(self, step, text: str, report, requirements=()) -> None:
+    def _record(self, where: str, text: str, report, requirements=()) -> None:
         text = _short(text)
-        self.installs.append({"where": step.where, "command": text, "installed": list(report.installed),
+        self.installs.append({"where": where, "command": text, "installed": list(report.installed),
                               "notes": list(report.notes), "missing": list(report.missing),
                               "packages": list(requirements)})
         if report.missing:
-            raise _Unsupported(f"{step.where}: `{text}`: {', '.join(report.missing)} cannot be installed here"
-                               + (f" ({'; '.join(report.notes[-2:])})" if report.notes else ""))
+            more = f" and {len(report.missing) - 3} more" if len(report.missing) > 3 else ""
+            raise _Unsupported(f"{where}: `{text}`: {', '.join(report.missing[:3])}{more} cannot be installed "
+                               "here" + (f" ({'; '.join(report.notes[-2:])})" if report.notes else ""))
 
     def _read(self, index: int, step: dockerfile.Instruction, path: str) -> str | None:
         """A text file of the image (``pip install -r`` reads one), by its path in the image."""
@@ -390,7 +395,8 @@ class _Build:
 
     _add = _copy
 
-    def _sources(self, index: int, step: dockerfile.Instruction, words: list[str], staged: str) -> list[tuple[str, str]]:
+    def _sources(self, index: int, step: dockerfile.Instruction, words: list[str],
+                 staged: str) -> list[tuple[str, str]]:
         """Stage each source of a COPY/ADD in ``staged``: [(kind, name)], kind "file",
         "dir" (its contents are copied) or "archive" (ADD unpacks it)."""
         out = []

@@ -131,7 +131,7 @@ def test_the_sandbox_sees_the_layer_read_only(tmp_path):
 @pytest.mark.parametrize("docker, reason", [
     ("FROM x\nADD https://example.com/f /opt/f\n", "environment/Dockerfile line 2: ADD https://example.com/f"),
     ("FROM x\nCOPY --from=nginx:1.25 /etc/nginx /etc/nginx\n", "line 2: COPY --from=nginx:1.25: copying from"),
-    ("FROM x\nRUN echo building && exit 3\n", "line 2: RUN echo building && exit 3 fails in the build sandbox [exit 3]"),
+    ("FROM x\nRUN echo building && exit 3\n", "line 2: RUN echo building && exit 3 fails in the build sandbox"),
     ("FROM x\nCOPY ../secret /opt/\n", "COPY source '../secret' is outside the build context"),
     ("FROM x\nUSER nobody-here\nRUN true\n", "line 2: USER nobody-here: no such user in the image"),
     ("FROM x\nCOPY <<EOF /start.sh\nsleep 1\nEOF\nENTRYPOINT [\"/start.sh\"]\nCMD [\"bash\"]\n",
