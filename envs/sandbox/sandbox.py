@@ -77,7 +77,10 @@ What is enforced, and how (``probe()`` says which of these this machine allows;
   ``/opt``, ``/srv``, ``/home``, ``/root``, ``/run``, ``/tmp``, ``/mnt``) is there, and
   ``hide`` paths (a task's own directory: ``ShellEnv`` passes ``HarborTask.source``) are
   masked where a bind would show them. Task files reach the sandbox only as copies:
-  ``/tests`` is filled when the verifier runs and ``/solution`` for oracle runs.
+  ``/tests`` is filled when the verifier runs and ``/solution`` for oracle runs. A task's
+  image (``Sandbox(layer=...)``: what its Dockerfile's build changed, ``envs/image/build.py``)
+  lies over that root read-only: an overlay over each system directory it changes, binds of
+  what it adds elsewhere (``/data.csv``, ``/opt/tool``; ``envs/sandbox/layers.py``).
   ``filesystem="plain"`` (the fallback without mount namespaces): the same uid and
   limits, ``cwd`` is the host directory, and writes are confined by permissions only:
   the sandbox uid owns nothing outside its directory, but world-writable directories
