@@ -65,8 +65,9 @@ _UV_IMAGE = re.compile(r"(^|/)astral-sh/uv(:|@|$)")
 _WRAPPERS = {"sudo", "env", "command", "exec", "nice", "nohup", "time", "stdbuf", "timeout"}
 _NOTED = {"CMD", "ENTRYPOINT", "HEALTHCHECK", "ONBUILD", "VOLUME"}
 _PLAIN_ENTRY = {"bash", "sh", "dash", "zsh", "tini", "dumb-init", "-c", "--", "-l", "-s"}  # start nothing of their own
-_BUILDER_FILES = (__file__, dockerfile.__file__, contexts.__file__, packages.__file__, host_tools.__file__,
-                  shell_syntax.__file__, sys.modules[BuildRoot.__module__].__file__)
+# the builder's version: every file of this folder (the reader, the fetchers, the stand-ins) and the build sandbox
+_BUILDER_FILES = (*sorted(glob.glob(os.path.join(os.path.dirname(os.path.abspath(__file__)), "*.py"))),
+                  sys.modules[BuildRoot.__module__].__file__)
 
 
 class BuildError(dockerfile.DockerfileError):
