@@ -4,8 +4,8 @@
     shell_syntax.py  the simple commands of a shell script, read with tree-sitter-bash
     installs.py      a script's install steps: what the host has, what to fetch, what cannot be had
     packages.py      what the host lacks, fetched from the registries into a task's layer; base images
-    pypi.py          ... PyPI's packages for the sandbox's interpreter
-    debian.py        ... Debian's packages, unpacked with a private apt
+    pypi.py          PyPI's packages for the sandbox's interpreter (packages.python_packages)
+    debian.py        Debian's packages, unpacked with a private apt (packages.debian_packages)
     fetched.py       what a fetch did (Report) and the machine's cache of fetched packages
     dockerfile.py    a task's Dockerfile, read by Docker's own grammar (the ``dockerfile`` package)
     context.py       where a task's image is built from: its Dockerfile and build context

@@ -7,11 +7,16 @@ GitHub use); this file only turns its tree into words:
 
 - quoting (``'...'``, ``"..."``, ``$'...'``, backslashes, line continuations) is removed
   from words; expansions (``$VAR``, ``${...}``, ``$(...)``, backticks) stay as written;
-- comments and here-document bodies are data, not commands, but the command substitutions
-  inside either (``$(pip install x)``) run, so they are commands of their own;
+- words are split where bash splits them, also where tree-sitter-bash's tree says
+  otherwise: an unquoted ``>`` is a redirection (``pip install torch>=2 numpy`` installs
+  torch and numpy), ``python3 - <<EOF`` keeps its ``-``, ``$A/$B/*.log`` is one word;
+- comments are not commands and here-document bodies are data, but command substitutions
+  run, in words and in unquoted here-documents alike (``$(pip install x)``), so the
+  commands in them are listed too;
 - redirections are taken off the words; leading ``NAME=value`` assignments are kept apart;
 - commands inside compound statements (``if``, ``for``, ``case``, functions, subshells)
-  are found like any other; ``[[ ... ]]`` and ``(( ... ))`` run nothing.
+  are found like any other; tests (``[ ... ]``, ``[[ ... ]]``) and arithmetic
+  (``(( ... ))``) are not listed.
 
 ``pipelines(script)`` returns each pipeline (commands joined by ``|``) with its character
 span in the script, so a caller can replace exactly that span (``rewrite``).
@@ -37,6 +42,7 @@ _REDIRECTS = {"file_redirect", "heredoc_redirect", "herestring_redirect"}
 # nodes that keep their text as written inside a word
 _EXPANSIONS = {"simple_expansion", "expansion", "command_substitution", "arithmetic_expansion",
                "process_substitution"}
+_BLANKS_OR_WORD = re.compile(rb"(?:\\\n|[ \t\n])+|(?P<word>[^ \t\n]+)")
 _DOUBLE_QUOTED_ESCAPE = re.compile(r"\\([$`\"\\\n])")
 _BACKSLASH = re.compile(r"\\(.)", re.S)
 
@@ -60,6 +66,16 @@ class Pipeline:
     commands: list[Command]
     start: int
     end: int
+
+
+@dataclasses.dataclass
+class _Token:
+    """A word in the script that tree-sitter-bash has no node for."""
+
+    type: str
+    start_byte: int
+    end_byte: int
+    children: tuple = ()
 
 
 class ShellSyntaxError(ValueError):
@@ -104,6 +120,16 @@ class _Reader:
             return "".join(self.word(c) for c in node.children)
         return self.text(node)
 
+    def dropped(self, children) -> list[_Token]:
+        """Words between ``children`` that tree-sitter-bash left out of its tree (the ``-`` of
+        ``python3 - <<EOF``): anything but blanks and line continuations there."""
+        out = []
+        for left, right in zip(children, children[1:]):
+            for found in _BLANKS_OR_WORD.finditer(self.data, left.end_byte, right.start_byte):
+                if found.group("word"):
+                    out.append(_Token("word", found.start(), found.end()))
+        return out
+
     def words(self, nodes) -> list[str]:
         """Nodes that touch (no blank between them) are one word, as bash splits them:
         tree-sitter-bash cuts ``$A/$B/*.log`` in two at the glob."""
@@ -140,7 +166,7 @@ class _Reader:
         """A ``command`` node; ``outer`` is the node whose span it takes (its redirections too)."""
         children = [c for c in node.children if c.type != "comment"]
         if outer is not node:  # the statement's redirections: their stray words are the command's
-            children = sorted(children + [c for c in outer.children if c.type == "file_redirect"],
+            children = sorted(children + [c for c in outer.children if c.type in _REDIRECTS | {"ERROR"}],
                               key=lambda c: c.start_byte)
         # tree-sitter-bash joins ``A=1 B=2`` to the next line's command when that one has a
         # here-document; bash ends a command at an unescaped newline
@@ -157,8 +183,9 @@ class _Reader:
             elif child.type == "file_redirect":
                 # ``echo a > f b``: tree-sitter-bash reads ``b`` as a second target; it is a word
                 parts += [c for c in child.named_children if c.type != "file_descriptor"][1:]
-            elif child.type not in _REDIRECTS:
+            elif child.type not in _REDIRECTS and child.type != "ERROR":
                 parts.append(child)
+        parts = sorted(parts + self.dropped(children[first:]), key=lambda c: c.start_byte)
         words = self.words(parts)
         start = children[first].start_byte if first else outer.start_byte
         return Command(words, assignments, self.at(start), self.at(outer.end_byte))

@@ -15,6 +15,8 @@ def test_words_are_split_where_bash_splits_them():
         ["pip3", "install", "-q", "torch", "transformers", "numpy"]]
     assert _words("echo a > f b\n") == [["echo", "a", "b"]]
     assert _words("mv $SRC/*.log $DST/$DATE/\n") == [["mv", "$SRC/*.log", "$DST/$DATE/"]]
+    # a word tree-sitter-bash leaves out of its tree before a here-document
+    assert _words("python3 - <<'EOF'\nimport os\nEOF\necho a \\\n  b\n") == [["python3", "-"], ["echo", "a", "b"]]
     # multiple assignments end at the newline, as bash ends them
     script = "A=1 B=2\ncat <<EOF\n$(pip install from-a-heredoc)\nEOF\n"
     found = shell_syntax.commands(script)
