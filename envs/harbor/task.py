@@ -186,6 +186,8 @@ def task_env(sandbox: Sandbox, task: HarborTask, *, verifier: bool = False) -> d
         env["PATH"] = ":".join(e for e in entries if e and os.path.isabs(e) and not any(
             e == w or e.startswith(w + "/") for w in writable)) or path
         env["PYTHONNOUSERSITE"] = "1"
+        # a python started by its own path (/usr/bin/python3) loads the guard too (envs/image/host_tools.py)
+        env["PYTHONPATH"] = ":".join([f"{sandbox.tools}/guard", *filter(None, [env.get("PYTHONPATH")])])
     return env
 
 

@@ -142,6 +142,26 @@ def test_pytests_console_script_leaves_the_working_directory_off_sys_path():
     assert reward == 0.0, info
 
 
+def test_a_python_the_verifier_starts_by_its_own_path_takes_the_standard_library_first():
+    """``cd /app`` then ``/usr/bin/python3 -c ...``: the working directory is first on sys.path,
+    and the agent's json.py, which exits 0, would pass the check (the next test shows it does
+    for the agent's own commands); the verifier's environment loads the guard there too."""
+    verifier = ("#!/bin/bash\ncd /app\nif /usr/bin/python3 -c \"import json; exec(open('/tests/test_outputs.py')."
+                "read())\"; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi\n")
+    task = _task("python").replace(tests={"test.sh": verifier, "test_outputs.py": CHECK}, env={})
+    env = ShellEnv(max_turns=2)
+    try:
+        env.reset(task)
+        plant = _files({"json.py": PLANT}) + " && echo 41 > /app/answer.txt"
+        _, reward, done, info = env.step(f"<bash>{plant}</bash><submit/>")
+        assert done and reward == 0.0, info
+        env.reset(task)
+        _, reward, done, info = env.step("<bash>echo 42 > /app/answer.txt</bash><submit/>")
+        assert done and reward == 1.0, info
+    finally:
+        env.close()
+
+
 def test_the_planted_hooks_would_work_without_the_verifier_environment():
     """The routes are real: the same planted files fool the agent's own commands."""
     env = ShellEnv(max_turns=5)
