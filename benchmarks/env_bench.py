@@ -1,5 +1,6 @@
-"""Sandboxed steps per second (one at a time and concurrently), episodes per second, and
-validation seconds per task.
+"""Sandboxed steps per second (one at a time and concurrently), episodes per second,
+validation seconds per task, the cost of a command by how it enters its sandbox, and Ray
+environment workers' episodes per second.
 
     python benchmarks/env_bench.py --out results/env_bench.json
     python benchmarks/env_bench.py --out results/env_bench.json --baseline /path/to/other/checkout
@@ -17,6 +18,14 @@ Ray workers (``--ray-workers 1,2,4``): episodes per second with each number of R
 environment workers (``env.backend="ray"``, a private Ray on this machine) on lookup
 episodes whose actions first sleep, so that the episodes wait rather than compute and
 the workers' slots, not the cores, are the limit.
+
+Entry (``entry``; ``--entry`` for it alone): agent commands started inside the episode's
+namespaces by its anchor beside commands that make their own namespaces and root
+(``GLMJAX_SANDBOX_ENTRY=episode|command``), each arm in a process of its own, the arms in
+turn, ``--entry-rounds`` times: CPU per command (``true``), sandboxes per second, and
+lookup episodes per second and per core-second; CPU is that of the arm's processes (the
+helpers, the anchors and what they started) and of the kernel's threads, medians over the
+rounds.
 
 ``--baseline DIR`` times the episodes of another checkout of glmjax (an earlier commit, in
 a ``git worktree``) beside this one's: each arm runs in a process of its own, the arms in
@@ -317,15 +326,18 @@ def main(argv=None):
     parser.add_argument("--ray-workers", default="1,2,4",
                         help="Ray environment worker counts whose episodes per second to time ('' for none)")
     parser.add_argument("--baseline", default=None, help="another glmjax checkout whose episodes to time beside these")
-    parser.add_argument("--rounds", type=int, default=5, help="runs of each arm with --baseline or --entry")
+    parser.add_argument("--rounds", type=int, default=5, help="runs of each arm with --baseline")
     parser.add_argument("--entry", action="store_true",
                         help="only the commands that enter the episode's namespaces beside those that make their own")
-    parser.add_argument("--commands", type=int, default=200, help="commands per arm with --entry")
-    parser.add_argument("--sandboxes", type=int, default=40, help="sandboxes per arm with --entry")
+    parser.add_argument("--entry-rounds", type=int, default=3, help="runs of each entry's arm (0: none)")
+    parser.add_argument("--commands", type=int, default=200, help="commands per arm of the entry comparison")
+    parser.add_argument("--sandboxes", type=int, default=40, help="sandboxes per arm of the entry comparison")
     args = parser.parse_args(argv)
+    entry = lambda: compare_entry(args.commands, args.sandboxes, args.episodes, args.workers,  # noqa: E731
+                                  args.entry_rounds)
     if args.entry:
         results = {"isolation": probe().describe(), "cpus": os.cpu_count(), "load_average": os.getloadavg(),
-                   "entry": compare_entry(args.commands, args.sandboxes, args.episodes, args.workers, args.rounds)}
+                   "entry": entry()}
         _write(args.out, results)
         return
     if args.baseline:  # one episode at a time, then --workers at once
@@ -345,6 +357,8 @@ def main(argv=None):
         f"episodes_per_second_{args.workers}_concurrent": args.episodes / episodes(args.episodes, args.workers),
         "validation_seconds_per_task": {f: validation_seconds(f, args.tasks) for f in args.families.split(",")},
     }
+    if args.entry_rounds:
+        results["entry"] = entry()
     if args.ray_workers:  # last, so that no Ray process runs beside the other timings
         results["ray_workers"] = ray_workers([int(c) for c in args.ray_workers.split(",")], args.episodes)
     _write(args.out, results)

@@ -30,7 +30,6 @@ import re
 import shlex
 from typing import Mapping
 
-import dockerfile as buildkit
 
 _KNOWN = {"ADD", "ARG", "CMD", "COPY", "ENTRYPOINT", "ENV", "EXPOSE", "FROM", "HEALTHCHECK", "LABEL", "MAINTAINER",
           "ONBUILD", "RUN", "SHELL", "STOPSIGNAL", "USER", "VOLUME", "WORKDIR"}
@@ -170,6 +169,10 @@ def _run_script(command) -> str:
 
 def read(path: str, where: str = "Dockerfile") -> tuple[Stage, ...]:
     """The stages of the Dockerfile at ``path``; ``where`` names it in messages."""
+    # imported here: the parser is Go's, whose runtime reserves some 770 MB of address space in every process
+    # that loads it, and many import envs (a sympy worker under RLIMIT_AS among them) without reading a Dockerfile
+    import dockerfile as buildkit
+
     try:
         commands = buildkit.parse_file(path)
     except buildkit.GoParseError as err:

@@ -17,8 +17,8 @@ IPC objects of the episode's IPC namespace and the files of its ``/dev/shm``. PO
 message queues (there is no ``/dev/mqueue`` to list them) last until the episode ends.
 
 Protocol (``run``, the caller's side; ``serve``, the anchor's): the caller connects to the
-anchor's socket (in the sandbox's directory, mode 0600: only root reaches it, and no
-sandbox sees it), sends a 4-byte length with the pipes' descriptors (``SCM_RIGHTS``:
+anchor's socket (beside its uid's lock, in a directory of mode 0700: only root reaches it,
+and no sandbox sees it), sends a 4-byte length with the pipes' descriptors (``SCM_RIGHTS``:
 stdin's read end or none, the output's write end), then the request as a pickle. The
 anchor answers ``("started", pid)`` or ``("error", why)``, then ``("exit", status)`` (a
 ``waitpid`` status) when the command has exited and what it left is gone. ``b"k"`` from

@@ -628,7 +628,8 @@ class Sandbox:
         the namespaces and the root, at the first agent command, and again if it was killed
         (its processes went with it; the files stay). ``wait``: it stopped listening, so
         wait for it to have exited."""
-        path = os.path.join(self.root, "anchor.sock")
+        path = os.path.join(isolation.LOCK_DIR, f"{self.uid}.sock")  # short (a socket's path is at most 107 bytes)
+        # and root's alone (the directory is 0700); the uid's lock makes it this sandbox's
         with self._lock:
             if self._anchor is not None and select.select([self._anchor[1]], [], [], 5.0 if wait else 0)[0]:
                 os.close(self._anchor[1])
@@ -661,6 +662,10 @@ class Sandbox:
                 pass
             select.select([fd], [], [], 5.0)  # its namespace's processes are gone once it has exited
             os.close(fd)
+            try:
+                os.unlink(os.path.join(isolation.LOCK_DIR, f"{self.uid}.sock"))
+            except FileNotFoundError:
+                pass
 
     def _hand_back(self, virtual: str) -> None:
         """Give what the verifier made under ``virtual`` to the agent's uid (as files a root
