@@ -204,14 +204,22 @@ class Group:
                     time.sleep(0.02)
 
 
-def remove(name: str) -> None:
-    """Remove the groups called ``name`` that a killed process left (their processes must be
-    gone), wherever ``available()`` makes groups."""
+def remove(name: str, wait: float = 2.0) -> None:
+    """Remove the groups called ``name`` that a killed process left, wherever ``available()``
+    makes groups; their processes must be gone, or be exiting (killed by the caller) within
+    ``wait`` seconds."""
+    deadline = time.monotonic() + wait
     for where in dict.fromkeys(w for w in available().values() if w):
-        try:
-            os.rmdir(os.path.join(where[1], name))
-        except FileNotFoundError:
-            pass
+        while True:
+            try:
+                os.rmdir(os.path.join(where[1], name))
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.02)
 
 
 def available() -> dict[str, tuple[str, str] | None]:

@@ -180,7 +180,7 @@ def test_a_killed_agentic_run_resumes(tmp_path):
     assert low <= matrix["pass_at_k"]["pass@2"]["value"] <= high
 
 
-HARBOR_JOB_TASKS = ("line-count-weak", "orders-db", "project-tree", "release-notes", "tb-dedupe-log", "warehouse-totals")
+HARBOR_JOB_TASKS = ("line-count-weak", "orders-db", "project-tree", "tb-dedupe-log", "warehouse-totals")
 
 
 def test_the_agentic_job_trains_on_a_harbor_directory(tmp_path):
