@@ -167,7 +167,9 @@ def probe() -> Isolation:
             found = launcher.call("probe")
             groups = cgroup.available() if found.user == "dedicated-uid" else {}
             name = lambda where: f"cgroup-{where[0]}" if where else "per-process"  # noqa: E731
-            _PROBED = dataclasses.replace(found, memory=name(groups.get("memory")), cpu=name(groups.get("cpu")))
+            entry = "episode" if found.filesystem == "chroot" and found.processes == "pidns" else "command"
+            _PROBED = dataclasses.replace(found, memory=name(groups.get("memory")), cpu=name(groups.get("cpu")),
+                                          entry=entry)
         return _PROBED
 
 
