@@ -192,16 +192,7 @@ class Group:
         """Remove the groups; their processes must be gone (they are killed first by the caller)."""
         deadline = time.monotonic() + wait
         for path in dict.fromkeys(p for _, p in self.paths.values()):
-            while True:
-                try:
-                    os.rmdir(path)
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.02)
+            _rmdir_by(path, deadline)
 
 
 def remove(name: str, wait: float = 2.0) -> None:
@@ -210,16 +201,22 @@ def remove(name: str, wait: float = 2.0) -> None:
     ``wait`` seconds."""
     deadline = time.monotonic() + wait
     for where in dict.fromkeys(w for w in available().values() if w):
-        while True:
-            try:
-                os.rmdir(os.path.join(where[1], name))
-                break
-            except FileNotFoundError:
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.02)
+        _rmdir_by(os.path.join(where[1], name), deadline)
+
+
+def _rmdir_by(path: str, deadline: float) -> None:
+    """Remove the group at ``path`` (gone already is fine), retrying while its last
+    processes exit, until ``deadline``."""
+    while True:
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
 
 
 def available() -> dict[str, tuple[str, str] | None]:
