@@ -185,11 +185,11 @@ def debian_packages(names: list[str], layer: str) -> fetched.Report:
         for package, old, version, arch in plan:
             unpacked = _unpacked(root, _archive(root, package, version, arch))
             fetched.lay(os.path.join(unpacked, "files"), layer)
-            control = _read(os.path.join(unpacked, "control", "control")) or ""
+            control = fetched.read_text(os.path.join(unpacked, "control", "control")) or ""
             stanzas.append("Status: install ok installed\n" + control.strip() + "\n")
             report.installed.append(f"{package} {version}")
             if any(os.path.exists(os.path.join(unpacked, "control", n)) for n in ("preinst", "postinst")):
-                links = _alternatives(_read(os.path.join(unpacked, "control", "postinst")) or "",
+                links = _alternatives(fetched.read_text(os.path.join(unpacked, "control", "postinst")) or "",
                                       layer)
                 scripted.append(package + (f" (its alternatives linked: {', '.join(links)})" if links else ""))
             if old:
@@ -202,9 +202,3 @@ def debian_packages(names: list[str], layer: str) -> fetched.Report:
     return report
 
 
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return None

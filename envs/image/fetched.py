@@ -70,3 +70,12 @@ def last_error(text: str) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     errors = [ln for ln in lines if ln.startswith(("ERROR:", "E:"))]
     return (errors or lines or ["no output"])[0 if errors else -1].removeprefix("ERROR: ").removeprefix("E: ")
+
+
+def read_text(path: str) -> str | None:
+    """A text file's contents, or None where it cannot be read."""
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None

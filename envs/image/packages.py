@@ -25,7 +25,7 @@ import dataclasses
 import re
 import subprocess
 
-from envs.image import host_tools
+from envs.image import fetched, host_tools
 from envs.image.debian import DEBIAN_STATUS, debian_packages
 from envs.image.fetched import Report, cache_dir
 from envs.image.pypi import BIN, SITE, python_packages
@@ -129,12 +129,6 @@ def _stands_in(ref: str, what: str, have: str, asked: str) -> str:
 
 
 def _debian_release() -> str:
-    return (_read("/etc/debian_version") or "?").strip()
+    return (fetched.read_text("/etc/debian_version") or "?").strip()
 
 
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
-        return None
