@@ -39,7 +39,9 @@ import stat
 import subprocess
 
 from envs.sandbox import isolation, launcher, tree
-from envs.sandbox.sandbox import TOOLS, Limits, RunResult, SandboxError, _interpreter_binds, probe, tool_dir
+from envs.sandbox.results import Limits, RunResult, SandboxError
+from envs.sandbox.sandbox import probe
+from envs.sandbox.tools import TOOLS, interpreter_binds, tool_dir
 
 LIMITS = Limits(wall_seconds=900.0, cpu_seconds=900, memory_bytes=8 << 30, processes=512, file_bytes=4 << 30,
                 open_files=4096, output_bytes=1 << 20)
@@ -74,7 +76,7 @@ class BuildRoot:
             os.makedirs(upper, exist_ok=True)
             lowers = (self._mask_etc(), path) if path == "/etc" else (path,)
             self.mounts.append((isolation.Overlay(lowers, upper, self._work(path)), path, True))
-        self.mounts += [(tool_dir(), TOOLS, False), *_interpreter_binds(), *extra]
+        self.mounts += [(tool_dir(), TOOLS, False), *interpreter_binds(), *extra]
 
     def _work(self, path: str) -> str:
         work = os.path.join(self.scratch, "work", path.strip("/").replace("/", "_") or "root")

@@ -139,10 +139,11 @@ from typing import Mapping
 from envs.image import host_tools
 from envs.sandbox import anchor, cgroup, isolation, launcher, layers, tree
 from envs.sandbox.isolation import VIRTUAL_DIRS, Isolation, Plan, claim_uid
+from envs.sandbox.results import Limits, RunResult, SandboxError
+from envs.sandbox.tools import TOOLS, tool_dir
+from envs.sandbox.tools import interpreter_binds as _interpreter_binds
 
 __all__ = ["Isolation", "Limits", "RunResult", "Sandbox", "SandboxError", "VIRTUAL_DIRS", "probe"]
-TOOLS = "/glmjax"  # where the tool directory (envs/image/host_tools.py) is mounted under chroot
-_SYSTEM_TOPS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 # Where each virtual directory lives under the sandbox's root: (disk, directory on it). The
 # agent's disk holds what it writes; the verifier's what only the verifier may write.
 _LAYOUT = {"/app": ("agent", "app"), "/tmp": ("agent", "tmp"), "/solution": ("agent", "solution"),
@@ -151,7 +152,6 @@ _TOPS = sorted(_LAYOUT, key=len, reverse=True)  # the longest first: /logs/verif
 _VERIFIER_TMP = ("verifier", "tmp")  # the verifier's own /tmp (and HOME) under chroot
 _VERIFIER_DIRS = ("/tests", "/logs/verifier")
 _PROBED: Isolation | None = None
-_TOOL_DIR: str | None = None
 _TOOLS_STARTED = False  # the tools' python was seen to start in a sandbox (Sandbox._check_tools)
 _ANCHORS_CPU = 0.0  # CPU seconds of the anchors this process's sandboxes closed, and of what they started
 _LOCK = threading.Lock()
@@ -171,47 +171,6 @@ def probe() -> Isolation:
             _PROBED = dataclasses.replace(found, memory=name(groups.get("memory")), cpu=name(groups.get("cpu")),
                                           entry=entry)
         return _PROBED
-
-
-def tool_dir() -> str:
-    """The host directory a sandbox mounts at ``TOOLS`` (``envs/image/host_tools.py`` builds
-    it, with ``limits.sh``, the script that takes an agent command's limits:
-    ``anchor.LIMITS_SCRIPT``), made once per machine for this interpreter and this version
-    of the tools."""
-    global _TOOL_DIR
-    with _LOCK:
-        if _TOOL_DIR is None:
-            with open(host_tools.__file__, "rb") as f:
-                key = hashlib.sha256(f.read() + anchor.LIMITS_SCRIPT.encode() + sys.executable.encode()).hexdigest()[:16]
-            final = os.path.join(tempfile.gettempdir(), f"glmjax-tools-{key}")
-            if not os.path.isdir(final):
-                staging = tempfile.mkdtemp(prefix=f"glmjax-tools-{key}.")
-                host_tools.build(staging)
-                with open(os.path.join(staging, "limits.sh"), "w") as f:
-                    f.write(anchor.LIMITS_SCRIPT)
-                os.chmod(staging, 0o755)
-                try:
-                    os.rename(staging, final)
-                except OSError:  # another process made it first
-                    tree.rmtree(staging)
-            _TOOL_DIR = final
-        return _TOOL_DIR
-
-
-def _interpreter_binds() -> tuple[tuple[str, str, bool], ...]:
-    """The host interpreter's prefixes, mounted read-only at their own paths so that the
-    tools' ``python3`` runs inside the new root (those under a system directory are there
-    already). A prefix under ``/tmp`` (a CI runner's virtualenv) is mounted there too, over
-    a directory of the sandbox's ``/tmp``; one under another sandbox directory cannot be."""
-    dirs = dict.fromkeys(os.path.realpath(p) for p in (sys.base_prefix, sys.prefix, os.path.dirname(sys.executable)))
-    dirs = [d for d in dirs if not d.startswith(_SYSTEM_TOPS)]
-    for d in dirs:
-        top = next((v for v in VIRTUAL_DIRS if d == v or d.startswith(v + "/")), None)
-        if top not in (None, "/tmp") or d == "/tmp":
-            raise SandboxError(f"the sandbox's python ({sys.executable}, prefix {d}) is under {top or d}, which "
-                               f"every sandbox replaces with its own directory, so no command could run it; install "
-                               f"glmjax into an interpreter elsewhere (a virtualenv under /opt, /srv or your home)")
-    return tuple((d, d, False) for d in dirs if not any(d != o and d.startswith(o + "/") for o in dirs))
 
 
 def anchor_cpu_seconds(pid: int | None = None) -> float:
@@ -270,69 +229,6 @@ def _remove_owned(dirs: tuple[str, ...], uids: tuple[int, ...]) -> None:
                     tree.rmtree(path)
             except OSError:
                 continue
-
-
-class SandboxError(RuntimeError):
-    """The sandbox cannot run commands with the isolation that was asked for."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Limits:
-    """Per-command limits. ``memory_bytes`` caps the memory of all the sandbox's processes
-    (and, with ``disk="tmpfs"``, its files) together where a cgroup is available
-    (``Isolation.memory``) and each process's address space everywhere; without a cgroup,
-    ``processes`` x ``memory_bytes`` is the bound. ``cpus``: cores of CPU time for all its
-    processes together (``Isolation.cpu``); ``cpu_seconds`` caps each process.
-    ``disk_bytes``: the size of each of the sandbox's disks (``Isolation.disk``), read when
-    the sandbox is made; ``file_bytes`` caps one file."""
-
-    wall_seconds: float = 30.0
-    cpu_seconds: int = 30
-    memory_bytes: int = 2 << 30
-    processes: int = 64
-    file_bytes: int = 64 << 20
-    open_files: int = 256
-    output_bytes: int = 256 << 10
-    disk_bytes: int = 1 << 30
-    cpus: float = 1.0
-
-    def __post_init__(self):
-        for field in dataclasses.fields(self):
-            if getattr(self, field.name) <= 0:
-                raise ValueError(f"Limits.{field.name} must be > 0, got {getattr(self, field.name)!r}")
-
-    def replace(self, **changes) -> "Limits":
-        return dataclasses.replace(self, **changes)
-
-
-@dataclasses.dataclass(frozen=True)
-class RunResult:
-    """One command. ``killed``: None | "timeout" | "output_limit" | "memory_limit" (the
-    sandbox's cgroup passed its limit and the kernel killed a process); ``signal``: the signal
-    that ended the command (SIGXCPU/SIGKILL for CPU, SIGXFSZ for file size) or None;
-    ``disk_full``: the disk quota, when the command ended with the agent's disk full (the
-    status line then says so beside the command's own "No space left on device")."""
-
-    returncode: int
-    output: str
-    seconds: float
-    killed: str | None = None
-    truncated: bool = False
-    disk_full: int | None = None  # the quota in bytes, when the command left the agent's disk full
-
-    @property
-    def ok(self) -> bool:
-        return self.returncode == 0 and self.killed is None
-
-    @property
-    def signal(self) -> str | None:
-        return signal.Signals(-self.returncode).name if self.returncode < 0 else None
-
-    def summary(self, timing: bool = True) -> str:
-        why = self.killed or self.signal or f"exit {self.returncode}"
-        notes = ([f"{self.seconds:.2f}s"] if timing else []) + (["output truncated"] if self.truncated else []) \
-            + ([f"disk full: {self.disk_full >> 20} MiB quota"] if self.disk_full else [])
-        return "[" + ", ".join([why] + notes) + "]"
 
 
 class Sandbox:
